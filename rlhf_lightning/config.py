@@ -1,0 +1,199 @@
+"""Typed config schemas, registered in Hydra's ConfigStore; YAML under ``conf/`` holds values.
+
+Each group's YAML starts from its schema (``defaults: [<schema name>, _self_]``), so a typo
+or a wrong type in a YAML file or on the command line fails at composition.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, OmegaConf
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+
+
+@dataclass
+class LoraSettings:
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: Any = "all-linear"
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    path: str = MISSING  # a local directory or a Hugging Face Hub id
+    tokenizer_path: str | None = None  # default: path
+    revision: str | None = None
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    attn_implementation: str | None = None  # eager | sdpa | flash_attention_2 | None (transformers' choice)
+    trust_remote_code: bool = False
+    finetune: str = "lora"  # lora | full
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    gradient_checkpointing: bool = False
+    pad_token: str | None = None  # set when the tokenizer has none (e.g. its eos token)
+    chat_template: str | None = None  # a Jinja template, when the tokenizer has none
+
+
+@dataclass
+class GRPOConfig:
+    """The GRPO family (GRPO, CISPO, DAPO, Dr.GRPO, GSPO are loss configs of one module)."""
+
+    name: str = "grpo"
+    module: str = "grpo"
+    # Objective: a name in rlhf_lightning.losses.POLICY_LOSSES; the fields below whose names
+    # match the objective's keyword arguments are passed to it.
+    loss: str = "ppo_clip"
+    loss_agg_mode: str = "token_mean"
+    clip_low: float | None = 0.2
+    clip_high: float | None = 0.2
+    clip_ratio_c: float | None = None
+    max_len_norm: int | None = None  # seq_mean_token_sum_norm's constant; default rollout.max_new_tokens
+    advantage: str = "grpo"
+    advantage_scale: str = "group"  # group | batch | none
+    # KL to the reference policy (base model, adapters disabled), in the loss.
+    beta: float = 0.0
+    kl_estimator: str = "k3"
+    kl_clamp: float | None = 10.0
+    # Batch geometry, in trajectories (prompts_per_step x group_size per rollout step).
+    group_size: int = 8
+    prompts_per_step: int = 16
+    mini_batch_size: int | None = None  # per optimizer step; None: the whole rollout batch
+    micro_batch_size: int | None = None  # per forward/backward; None: the mini-batch
+    update_epochs: int = 1
+    skip_zero_advantage: bool = (
+        True  # skip rows with A == 0 in forward/backward (same gradient when beta == 0)
+    )
+    # Optimisation.
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    adam_eps: float = 1e-8
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    grad_clip: float | None = 1.0
+    chunk_rows: int | None = None  # log-prob tile rows; None: auto (~256 MB fp32 logits)
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "hf"
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 8
+    max_batch_size: int | None = None  # completions per generate call; None: all at once
+
+
+@dataclass
+class EnvConfig:
+    _target_: str = MISSING  # the TextEnv class; env.kwargs go to its constructor
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    system_prompt: str | None = None
+    apply_chat_template: bool = True
+    max_turns: int = 1
+    max_model_len: int = 512
+    train_size: int | None = None  # rows per split, for envs without num_rows()
+    eval_size: int | None = None
+
+
+@dataclass
+class StrategyConfig:
+    name: str = "auto"
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "csv"  # csv | tensorboard | wandb
+    project: str = "rlhf_lightning"
+    entity: str | None = None
+    group: str | None = None
+    tags: list[str] = field(default_factory=list)
+    mode: str | None = None  # wandb: online | offline | disabled (default: WANDB_MODE or online)
+
+
+@dataclass
+class TrainerConfig:
+    """Passed to ``lightning.Trainer`` as keyword arguments."""
+
+    max_steps: int = 100
+    max_epochs: int = -1
+    accelerator: str = "auto"
+    devices: Any = "auto"
+    num_nodes: int = 1
+    precision: Any = "32-true"
+    val_check_interval: Any = 20
+    check_val_every_n_epoch: int | None = None
+    log_every_n_steps: int = 1
+    num_sanity_val_steps: int = 0
+    enable_progress_bar: bool = True
+    limit_val_batches: Any = None
+    deterministic: Any = False
+    benchmark: bool | None = None
+    fast_dev_run: Any = False
+    profiler: str | None = None
+
+
+@dataclass
+class EvalConfig:
+    before_training: bool = True
+    at_end: bool = True
+    greedy: bool = True
+    sampled: bool = True  # one sample per problem at the training temperature
+    batch_size: int = 200  # prompts per validation batch
+
+
+@dataclass
+class CheckpointConfig:
+    every_n_steps: int = 200  # 0: only at the end
+    save_last: bool = True
+    export_adapters: bool = True  # a PEFT directory per adapter next to each checkpoint
+
+
+@dataclass
+class SamplesConfig:
+    every_n_steps: int = 10  # 0 disables the sample table
+    num: int = 4
+
+
+@dataclass
+class Config:
+    algo: Any = MISSING
+    model: ModelConfig = MISSING
+    env: EnvConfig = MISSING
+    rollout: RolloutConfig = MISSING
+    strategy: StrategyConfig = MISSING
+    logger: LoggerConfig = MISSING
+    trainer: TrainerConfig = MISSING
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    samples: SamplesConfig = field(default_factory=SamplesConfig)
+    name: str = "default"  # runs land in outputs/<name>/<timestamp>
+    seed: int = 0
+    num_threads: int | None = None  # torch CPU threads; None: torch's default (OMP_NUM_THREADS or all cores)
+    output_dir: str | None = None  # default: Hydra's run directory
+    ckpt_path: str | None = None  # resume from this Lightning checkpoint
+    resume: bool = False  # resume from the newest outputs/<name>/*/checkpoints/last.ckpt
+
+
+def register_configs() -> None:
+    """Store the schemas in Hydra's ConfigStore and register the ``${asset:NAME}`` resolver."""
+    if not OmegaConf.has_resolver("asset"):  # ${asset:tiny_arithmetic}: a directory shipped in the package
+        OmegaConf.register_new_resolver("asset", lambda name: str(ASSETS / name))
+    cs = ConfigStore.instance()
+    cs.store(name="config_schema", node=Config)
+    cs.store(group="algo", name="grpo_schema", node=GRPOConfig)
+    cs.store(group="model", name="model_schema", node=ModelConfig)
+    cs.store(group="env", name="env_schema", node=EnvConfig)
+    cs.store(group="rollout", name="rollout_schema", node=RolloutConfig)
+    cs.store(group="strategy", name="strategy_schema", node=StrategyConfig)
+    cs.store(group="logger", name="logger_schema", node=LoggerConfig)
+    cs.store(group="trainer", name="trainer_schema", node=TrainerConfig)
+
+
+ALGO_SCHEMAS: dict[str, type] = {"grpo": GRPOConfig}

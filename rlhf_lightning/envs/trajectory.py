@@ -1,0 +1,121 @@
+"""Trajectories as lists (while they are built) and as a padded tensor batch (for training)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Trajectory:
+    """One episode, token-exact: ``token_ids`` is prompt + generated + observation ids in order.
+
+    ``action_turn[i]`` is the turn index of ``token_ids[i]`` if the engine generated it, else -1.
+    ``sampling_logps[i]`` is the engine's log-prob of generated token i (0 elsewhere).
+    """
+
+    token_ids: list[int]
+    action_turn: list[int]
+    sampling_logps: list[float]
+    rewards: list[float]
+    group_id: int
+    prompt_len: int
+    truncated: bool = False
+    prompt_text: str = ""
+    completion_text: str = ""
+    infos: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.rewards)
+
+
+@dataclass
+class TrajectoryBatch:
+    """The padded batch every rollout algorithm trains on (right padding).
+
+    Shapes (B trajectories, L = longest sequence, K = max turns):
+        input_ids, attention_mask: (B, L)
+        action_mask: (B, L-1), True where token t+1 was generated (logits at t predict it)
+        turn_ids: (B, L-1), the turn of that generated token, -1 elsewhere
+        sampling_logps: (B, L-1), the engine's log-prob of that token, 0 elsewhere
+        rewards: (B, K), per-turn rewards, 0 after the last turn
+        group_ids: (B,), trajectories of one prompt share an id
+        num_turns: (B,), truncated: (B,)
+        prompt_lens: (B,), tokens before the first action
+        prefix_ids: (B,), rows whose first ``prompt_lens`` tokens are identical share an id
+            (the policy runs such a shared prompt once: see ``Policy.token_logprobs``)
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    action_mask: torch.Tensor
+    turn_ids: torch.Tensor
+    sampling_logps: torch.Tensor
+    rewards: torch.Tensor
+    group_ids: torch.Tensor
+    num_turns: torch.Tensor
+    truncated: torch.Tensor
+    prompt_lens: torch.Tensor
+    prefix_ids: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def to(self, device: torch.device | str) -> TrajectoryBatch:
+        return TrajectoryBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+    def select(self, index: torch.Tensor) -> TrajectoryBatch:
+        """Rows ``index``, with the columns trimmed to the longest selected sequence."""
+        sub = {f.name: getattr(self, f.name)[index] for f in fields(self)}
+        width = int(sub["attention_mask"].sum(-1).max()) if len(index) else 1
+        for name in ("input_ids", "attention_mask"):
+            sub[name] = sub[name][:, :width]
+        for name in ("action_mask", "turn_ids", "sampling_logps"):
+            sub[name] = sub[name][:, : max(width - 1, 0)]
+        return TrajectoryBatch(**sub)
+
+    @property
+    def returns(self) -> torch.Tensor:
+        """Episode return: the sum of per-turn rewards. Shape: (B,)"""
+        return self.rewards.sum(-1)
+
+
+def collate(trajectories: list[Trajectory], pad_token_id: int) -> TrajectoryBatch:
+    """Right-pad trajectories into a :class:`TrajectoryBatch`."""
+    b = len(trajectories)
+    width = max(len(t.token_ids) for t in trajectories)
+    turns = max(t.num_turns for t in trajectories)
+    input_ids = torch.full((b, width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((b, width), dtype=torch.long)
+    turn_ids = torch.full((b, width), -1, dtype=torch.long)
+    sampling_logps = torch.zeros((b, width), dtype=torch.float32)
+    rewards = torch.zeros((b, max(turns, 1)), dtype=torch.float32)
+    for i, t in enumerate(trajectories):
+        n = len(t.token_ids)
+        input_ids[i, :n] = torch.tensor(t.token_ids, dtype=torch.long)
+        attention_mask[i, :n] = 1
+        turn_ids[i, :n] = torch.tensor(t.action_turn, dtype=torch.long)
+        sampling_logps[i, :n] = torch.tensor(t.sampling_logps, dtype=torch.float32)
+        rewards[i, : t.num_turns] = torch.tensor(t.rewards, dtype=torch.float32)
+    prefixes: dict[tuple[int, ...], int] = {}
+    prefix_ids = [
+        prefixes.setdefault(tuple(t.token_ids[: t.prompt_len]), len(prefixes)) for t in trajectories
+    ]
+    # Shift: position t of the (B, L-1) tensors describes token t+1.
+    turn_ids = turn_ids[:, 1:]
+    return TrajectoryBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        action_mask=turn_ids >= 0,
+        turn_ids=turn_ids,
+        sampling_logps=sampling_logps[:, 1:],
+        rewards=rewards,
+        group_ids=torch.tensor([t.group_id for t in trajectories], dtype=torch.long),
+        num_turns=torch.tensor([t.num_turns for t in trajectories], dtype=torch.long),
+        truncated=torch.tensor([t.truncated for t in trajectories], dtype=torch.bool),
+        prompt_lens=torch.tensor([t.prompt_len for t in trajectories], dtype=torch.long),
+        prefix_ids=torch.tensor(prefix_ids, dtype=torch.long),
+    )

@@ -1,0 +1,143 @@
+"""Load a tokenizer and a causal LM from a local directory or the Hub, and wrap it as a policy."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from rlhf_lightning.models.policy import Policy
+from rlhf_lightning.validation import ConfigError, is_hub_id
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _hub_hint(path: str, err: Exception) -> RuntimeError:
+    return RuntimeError(
+        f"could not load {path!r} from the Hugging Face Hub ({type(err).__name__}: {err}). "
+        "Without Hub access, download it elsewhere and pass a local directory: "
+        "model=local model.path=/path/to/model"
+    )
+
+
+def load_tokenizer(
+    path: str,
+    *,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    pad_token: str | None = None,
+    chat_template: str | None = None,
+    need_chat_template: bool = True,
+) -> PreTrainedTokenizerBase:
+    """Load a tokenizer; fail with a clear message when it lacks a pad token or chat template."""
+    try:
+        tok = AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+    except OSError as err:
+        if is_hub_id(path):
+            raise _hub_hint(path, err) from err
+        raise
+    if pad_token is not None:
+        tok.pad_token = pad_token
+    if chat_template is not None:
+        tok.chat_template = chat_template
+    if tok.pad_token_id is None:
+        raise ConfigError(
+            "model.pad_token",
+            None,
+            f"the tokenizer at {path!r} has no pad token; set model.pad_token to one of its tokens "
+            f"(its eos token is {tok.eos_token!r})",
+        )
+    if need_chat_template and not getattr(tok, "chat_template", None):
+        raise ConfigError(
+            "model.chat_template",
+            None,
+            f"the tokenizer at {path!r} has no chat template; set model.chat_template to a Jinja "
+            "template, or env.apply_chat_template=false to feed raw prompts (base models)",
+        )
+    if tok.eos_token_id is None:
+        raise ConfigError("tokenizer eos_token", None, f"the tokenizer at {path!r} has no eos token")
+    return tok
+
+
+def load_model(
+    path: str,
+    *,
+    dtype: str = "auto",
+    attn_implementation: str | None = None,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+) -> PreTrainedModel:
+    kwargs: dict[str, Any] = {"revision": revision, "trust_remote_code": trust_remote_code}
+    kwargs["dtype"] = "auto" if dtype == "auto" else DTYPES[dtype]
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except OSError as err:
+        if is_hub_id(path):
+            raise _hub_hint(path, err) from err
+        raise
+    return model.train()  # from_pretrained returns eval mode
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if isinstance(getattr(model.config, key, None), float):
+            setattr(model.config, key, 0.0)
+
+
+def build_policy(
+    model: PreTrainedModel,
+    *,
+    finetune: str = "lora",
+    lora_r: int = 16,
+    lora_alpha: int = 32,
+    lora_dropout: float = 0.0,
+    lora_target_modules: Any = "all-linear",
+    need_reference: bool = False,
+    gradient_checkpointing: bool = False,
+) -> Policy:
+    """Wrap ``model`` as a trainable policy.
+
+    ``finetune="lora"``: the base is frozen and an ``actor`` LoRA adapter is trained; the
+    reference policy is the base with adapters disabled (free). ``finetune="full"``: every
+    weight trains; a frozen copy is kept as the reference only when ``need_reference``.
+    Dropout is switched off everywhere: the log-probs of the update must be those of the
+    policy that sampled (and the reference must be deterministic).
+    """
+    disable_dropout(model)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if finetune == "lora":
+        for p in model.parameters():
+            p.requires_grad_(False)
+        target = (
+            list(lora_target_modules) if not isinstance(lora_target_modules, str) else lora_target_modules
+        )
+        config = LoraConfig(
+            r=lora_r,
+            lora_alpha=lora_alpha,
+            lora_dropout=lora_dropout,
+            target_modules=target,
+            task_type="CAUSAL_LM",
+        )
+        peft_model = get_peft_model(model, config, adapter_name="actor")
+        if gradient_checkpointing:
+            peft_model.enable_input_require_grads()
+        return Policy(peft_model, adapter_name="actor", share_prompt=not gradient_checkpointing)
+    reference = None
+    if need_reference:
+        reference = copy.deepcopy(model)
+        for p in reference.parameters():
+            p.requires_grad_(False)
+    return Policy(model, adapter_name=None, reference=reference, share_prompt=not gradient_checkpointing)

@@ -1,0 +1,211 @@
+"""The trainable policy: a causal LM (optionally PEFT-wrapped) that yields token log-probs
+from hidden states through the chunked lm-head op, never full logits."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import PeftModel
+from torch import nn
+
+from rlhf_lightning.ops.logprobs import chunked_logprobs
+
+
+def cache_kwarg(module: nn.Module) -> str:
+    """The name of the KV-cache argument of ``module.forward`` (``cache`` in transformers 5)."""
+    return "cache" if "cache" in inspect.signature(type(module).forward).parameters else "past_key_values"
+
+
+def output_cache(out: Any) -> Any:
+    return getattr(out, "cache", None) or out.past_key_values
+
+
+def shared_prefix_hidden(
+    body: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    action_mask: torch.Tensor,
+    prompt_lens: torch.Tensor,
+    prefix_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Hidden states at the action positions, running each distinct prompt once.
+
+    Rows with the same ``prefix_ids`` share their first ``prompt_lens`` tokens (a GRPO group).
+    The prompt minus its last token runs once per distinct prompt (U rows, right-padded); its KV
+    cache is copied to every row (differentiably), and each row's suffix (last prompt token +
+    everything after it) runs on top. Values and gradients equal a plain forward of each row.
+
+    Args:
+        input_ids, attention_mask: right-padded rows. Shape: (B, L)
+        action_mask: Shape: (B, L-1); no action before ``prompt_lens - 1``.
+        prompt_lens, prefix_ids: Shape: (B,)
+
+    Returns:
+        hidden states of the action positions, row-major. Shape: (N, H)
+    """
+    b, width = input_ids.shape
+    device = input_ids.device
+    uniq, inverse = torch.unique(prefix_ids, return_inverse=True)  # (U,), (B,)
+    rows = torch.arange(b, device=device)
+    first = torch.full((len(uniq),), b, device=device).scatter_reduce(0, inverse, rows, "amin")  # (U,)
+    plen = prompt_lens[first] - 1  # shared prefix: all but the last prompt token
+    w = int(plen.max())
+    # Prefixes, right-padded: (U, W). (Right, not left: a left-padded row has query positions
+    # that see no key at all, which turns into NaN in float64 attention.)
+    pre_mask = (torch.arange(w, device=device)[None, :] < plen[:, None]).long()
+    pre_ids = input_ids[first, :w] * pre_mask
+    pre_pos = torch.arange(w, device=device).expand(len(uniq), w)
+    # Suffixes, right-padded: (B, S), from each row's last prompt token to its end.
+    start = prompt_lens - 1
+    lens = attention_mask.sum(-1)
+    s = int((lens - start).max())
+    idx = start[:, None] + torch.arange(s, device=device)[None, :]
+    suf_mask = (idx < lens[:, None]).long()
+    suf_ids = input_ids.gather(1, idx.clamp(max=width - 1)) * suf_mask
+    suf_pos = plen[inverse][:, None] + torch.arange(s, device=device)[None, :]
+    key = cache_kwarg(body)
+    cache = output_cache(
+        body(input_ids=pre_ids, attention_mask=pre_mask, position_ids=pre_pos, use_cache=True)
+    )
+    cache.batch_select_indices(inverse)  # (U, ...) -> (B, ...), differentiable
+    full_mask = torch.cat([pre_mask[inverse], suf_mask], dim=1)
+    hidden = body(
+        input_ids=suf_ids, attention_mask=full_mask, position_ids=suf_pos, use_cache=True, **{key: cache}
+    )
+    bi, ti = action_mask.nonzero(as_tuple=True)
+    return hidden.last_hidden_state[bi, ti - start[bi]]
+
+
+def _has_shared_prompts(prompt_lens: torch.Tensor, prefix_ids: torch.Tensor) -> bool:
+    return bool((prompt_lens >= 2).all()) and len(torch.unique(prefix_ids)) < len(prefix_ids)
+
+
+class Policy(nn.Module):
+    """Actor (and reference) on one model.
+
+    Args:
+        model: a ``PreTrainedModel`` or a ``PeftModel`` holding the ``adapter_name`` adapter.
+        adapter_name: the trained LoRA adapter, or None for full fine-tuning.
+        reference: a frozen reference model for full fine-tuning with a KL term (LoRA uses the
+            base with adapters disabled instead).
+        share_prompt: run a prompt shared by several rows once (see :func:`shared_prefix_hidden`);
+            off under gradient checkpointing, which disables the KV cache.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        adapter_name: str | None = None,
+        reference: nn.Module | None = None,
+        share_prompt: bool = True,
+    ) -> None:
+        super().__init__()
+        self.model = model
+        self.adapter_name = adapter_name
+        self.reference = reference
+        self.share_prompt = share_prompt
+
+    @property
+    def is_peft(self) -> bool:
+        return isinstance(self.model, PeftModel)
+
+    @property
+    def causal_lm(self) -> Any:
+        """The transformers CausalLM (LoRA layers injected in place when PEFT-wrapped)."""
+        return self.model.get_base_model() if isinstance(self.model, PeftModel) else self.model
+
+    def generation_model(self) -> nn.Module:
+        return self.model
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    @contextmanager
+    def reference_mode(self) -> Iterator[Any]:
+        """Yields the reference CausalLM: the base with adapters disabled, or the frozen copy."""
+        if isinstance(self.model, PeftModel):
+            with self.model.disable_adapter():
+                yield self.causal_lm
+        elif self.reference is not None:
+            yield self.reference
+        else:
+            raise RuntimeError(
+                "full fine-tuning without a reference copy: build the policy with need_reference=True"
+            )
+
+    def token_logprobs(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        action_mask: torch.Tensor,
+        *,
+        temperature: float = 1.0,
+        chunk_rows: int | None = None,
+        reference: bool = False,
+        return_entropy: bool = False,
+        prompt_lens: torch.Tensor | None = None,
+        prefix_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs (and entropies) of the action tokens; 0 elsewhere.
+
+        Runs the transformer body only and computes log-probs for the action positions alone,
+        through :func:`chunked_logprobs`. Given ``prompt_lens`` and ``prefix_ids``, rows that
+        share a prompt run it once.
+
+        Args:
+            input_ids, attention_mask: right-padded. Shape: (B, L)
+            action_mask: True where token t+1 is an action. Shape: (B, L-1)
+            prompt_lens, prefix_ids: Shape: (B,), as in ``TrajectoryBatch``.
+
+        Returns:
+            (logp, entropy), each Shape: (B, L-1); entropy is None unless requested.
+        """
+        ctx = self.reference_mode() if reference else nullcontext(self.causal_lm)
+        shared = None
+        if (
+            self.share_prompt
+            and prompt_lens is not None
+            and prefix_ids is not None
+            and _has_shared_prompts(prompt_lens, prefix_ids)
+        ):
+            shared = (prompt_lens, prefix_ids)
+        with ctx as lm:
+            body = lm.get_decoder()
+            if shared is not None:
+                rows = shared_prefix_hidden(body, input_ids, attention_mask, action_mask, *shared)
+            else:
+                hidden = body(
+                    input_ids=input_ids, attention_mask=attention_mask
+                ).last_hidden_state  # (B, L, H)
+                rows = hidden[:, :-1][action_mask]  # (N, H)
+            head = lm.get_output_embeddings()
+            targets = input_ids[:, 1:][action_mask]  # (N,)
+            out = chunked_logprobs(
+                rows,
+                head.weight,
+                targets,
+                bias=head.bias,
+                temperature=temperature,
+                chunk_rows=chunk_rows,
+                return_entropy=return_entropy,
+            )
+        logp_rows, ent_rows = out if isinstance(out, tuple) else (out, None)
+        logp = torch.zeros(action_mask.shape, dtype=logp_rows.dtype, device=logp_rows.device)
+        logp = logp.masked_scatter(action_mask, logp_rows)
+        entropy = None if ent_rows is None else torch.zeros_like(logp).masked_scatter(action_mask, ent_rows)
+        return logp, entropy
+
+    def save_adapter(self, directory: str | Path) -> Path | None:
+        """Write the actor as a PEFT adapter directory (``directory/actor``); None for full fine-tuning."""
+        if not isinstance(self.model, PeftModel) or self.adapter_name is None:
+            return None
+        directory = Path(directory)
+        self.model.save_pretrained(str(directory), selected_adapters=[self.adapter_name])
+        # PEFT writes non-default adapters under a subdirectory named after them.
+        out = directory / self.adapter_name
+        return out if out.is_dir() else directory

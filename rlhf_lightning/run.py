@@ -1,0 +1,217 @@
+"""Compose -> build -> fit: what ``train.py`` (and the notebook) runs."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+import time
+from pathlib import Path
+from typing import Any, cast
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+from omegaconf import DictConfig, OmegaConf
+
+from rlhf_lightning.algorithms import ALGORITHM_MODULES
+from rlhf_lightning.callbacks import AdapterExport, SampleTable
+from rlhf_lightning.config import register_configs
+from rlhf_lightning.data.prompts import PromptDataModule
+from rlhf_lightning.envs.factory import env_factory, split_sizes
+from rlhf_lightning.envs.harness import ChatFormatter, RolloutHarness
+from rlhf_lightning.models.build import build_policy, load_model, load_tokenizer
+from rlhf_lightning.rollout.engine import SamplingParams
+from rlhf_lightning.rollout.hf import HFEngine
+from rlhf_lightning.validation import ConfigError, validate
+
+log = logging.getLogger(__name__)
+
+register_configs()
+
+# Known-harmless messages that would bury the useful ones.
+for _pattern, _category in (
+    (".*is_gradient_checkpointing.*", FutureWarning),  # transformers, through peft
+    ("Experiment logs directory .* exists and is not empty.*", UserWarning),  # Hydra's train.log is there
+    ("Using ModelCheckpoint with manual optimization.*", UserWarning),  # post-update state is what we save
+    (".*isinstance\\(treespec, LeafSpec\\).*", Warning),
+):
+    warnings.filterwarnings("ignore", message=_pattern, category=_category)
+
+
+def output_dir_for(cfg: DictConfig) -> Path:
+    if cfg.output_dir:
+        return Path(cfg.output_dir)
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return Path(HydraConfig.get().runtime.output_dir)
+    except ValueError:  # not under @hydra.main (e.g. the Python API)
+        return Path("outputs") / cfg.name / time.strftime("%Y-%m-%d_%H-%M-%S")
+
+
+def find_last_checkpoint(output_dir: Path) -> str:
+    """The newest ``last.ckpt`` among the sibling runs of ``output_dir`` (``outputs/<name>/*``)."""
+    root = output_dir.parent
+    found = sorted(root.glob("*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
+    found = [p for p in found if output_dir not in p.parents]
+    if not found:
+        raise ConfigError(
+            "resume", True, f"no checkpoints/last.ckpt under {root}/*; pass ckpt_path=... or drop resume"
+        )
+    return str(found[-1])
+
+
+def build_loggers(cfg: DictConfig, output_dir: Path, run_name: str) -> list[Any]:
+    lg = cfg.logger
+    if lg.name == "csv":
+        from lightning.pytorch.loggers import CSVLogger
+
+        return [CSVLogger(save_dir=str(output_dir), name="", version="")]
+    if lg.name == "tensorboard":
+        from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+        return [
+            TensorBoardLogger(save_dir=str(output_dir), name="tensorboard", version=""),
+            CSVLogger(save_dir=str(output_dir), name="", version=""),
+        ]
+    try:
+        import wandb  # noqa: F401
+        from lightning.pytorch.loggers import CSVLogger, WandbLogger
+    except ImportError as err:
+        raise ImportError("logger=wandb needs wandb: pip install 'rlhf_lightning[wandb]'") from err
+    kwargs: dict[str, Any] = {
+        "project": lg.project,
+        "entity": lg.entity,
+        "group": lg.group,
+        "tags": list(lg.tags),
+    }
+    if lg.mode:
+        kwargs["mode"] = lg.mode
+    return [
+        WandbLogger(name=run_name, save_dir=str(output_dir), **kwargs),
+        CSVLogger(save_dir=str(output_dir), name="", version=""),
+    ]
+
+
+def finish_wandb() -> None:
+    """End the W&B run so the next multirun job starts its own."""
+    import sys
+
+    if "wandb" in sys.modules:
+        import wandb
+
+        if wandb.run is not None:
+            wandb.finish()
+
+
+def build(cfg: DictConfig, output_dir: Path) -> tuple[L.LightningModule, L.LightningDataModule]:
+    """Tokenizer, env, model, engine and LightningModule from a validated config."""
+    m, e, r, a = cfg.model, cfg.env, cfg.rollout, cfg.algo
+    tokenizer = load_tokenizer(
+        m.tokenizer_path or m.path,
+        revision=m.revision,
+        trust_remote_code=m.trust_remote_code,
+        pad_token=m.pad_token,
+        chat_template=m.chat_template,
+        need_chat_template=e.apply_chat_template,
+    )
+    factory = env_factory(e._target_, cast(dict[str, Any], OmegaConf.to_container(e.kwargs, resolve=True)))
+    train_rows, eval_rows = split_sizes(factory, e.train_size, e.eval_size)
+    harness = RolloutHarness(
+        factory,
+        tokenizer,
+        ChatFormatter(tokenizer, e.system_prompt, e.apply_chat_template),
+        max_turns=e.max_turns,
+        max_model_len=e.max_model_len,
+    )
+    model = load_model(
+        m.path,
+        dtype=m.dtype,
+        attn_implementation=m.attn_implementation,
+        revision=m.revision,
+        trust_remote_code=m.trust_remote_code,
+    )
+    policy = build_policy(
+        model,
+        finetune=m.finetune,
+        lora_r=m.lora.r,
+        lora_alpha=m.lora.alpha,
+        lora_dropout=m.lora.dropout,
+        lora_target_modules=m.lora.target_modules,
+        need_reference=a.beta > 0,
+        gradient_checkpointing=m.gradient_checkpointing,
+    )
+    engine = HFEngine(
+        policy.generation_model, tokenizer.pad_token_id, [tokenizer.eos_token_id], r.max_batch_size
+    )
+    sampling = SamplingParams(r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+    hp = OmegaConf.to_object(a)
+    module = ALGORITHM_MODULES[a.module](
+        policy,
+        harness,
+        engine,
+        sampling,
+        hp,
+        eval_greedy=cfg.eval.greedy,
+        eval_sampled=cfg.eval.sampled,
+        num_samples_to_keep=cfg.samples.num,
+    )
+    dm = PromptDataModule(train_rows, eval_rows, a.prompts_per_step, cfg.eval.batch_size, seed=cfg.seed)
+    return module, dm
+
+
+def run(cfg: DictConfig) -> dict[str, float]:
+    """Train with ``cfg`` (a composed ``conf/config.yaml``); returns the final logged metrics."""
+    validate(cfg)
+    if cfg.num_threads is not None:
+        torch.set_num_threads(cfg.num_threads)
+    L.seed_everything(cfg.seed, workers=True)
+    output_dir = output_dir_for(cfg)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_path = cfg.ckpt_path or (find_last_checkpoint(output_dir) if cfg.resume else None)
+    if ckpt_path:
+        log.info("resuming from %s", ckpt_path)
+    module, dm = build(cfg, output_dir)
+    run_name = f"{cfg.name}-{cfg.algo.name}-{output_dir.name}"
+    loggers = build_loggers(cfg, output_dir, run_name)
+    for lg in loggers:
+        lg.log_hyperparams(cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True)))
+    ckpt_dir = output_dir / "checkpoints"
+    every = cfg.checkpoint.every_n_steps or None
+    callbacks: list[L.Callback] = [
+        ModelCheckpoint(
+            dirpath=ckpt_dir,
+            filename="step_{step:06d}",
+            every_n_train_steps=every,
+            save_top_k=-1,
+            save_last=cfg.checkpoint.save_last,
+            auto_insert_metric_name=False,
+        ),
+    ]
+    if cfg.checkpoint.export_adapters:
+        callbacks.append(AdapterExport(ckpt_dir))
+    if cfg.samples.every_n_steps > 0:
+        callbacks.append(SampleTable(cfg.samples.every_n_steps, output_dir))
+    if cfg.trainer.enable_progress_bar:
+        callbacks.append(RichProgressBar(leave=True))
+    trainer_kwargs = cast(dict[str, Any], OmegaConf.to_container(cfg.trainer, resolve=True))
+    trainer = L.Trainer(
+        **trainer_kwargs, logger=loggers, callbacks=callbacks, default_root_dir=str(output_dir)
+    )
+    try:
+        if cfg.eval.before_training and not ckpt_path:
+            trainer.validate(module, datamodule=dm, verbose=False)
+        trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
+        if cfg.checkpoint.save_last:
+            trainer.save_checkpoint(ckpt_dir / "last.ckpt", weights_only=False)
+        if cfg.eval.at_end and module.last_eval_step != trainer.global_step:
+            trainer.validate(module, datamodule=dm, verbose=False)
+    finally:
+        finish_wandb()
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    log.info(
+        "run finished in %s: %s",
+        output_dir,
+        {k: round(v, 4) for k, v in metrics.items() if k.startswith("eval/")},
+    )
+    return metrics

@@ -1,0 +1,229 @@
+"""Start-up checks: every invalid value fails before any model is loaded, with one message
+naming the field, the value and what is allowed."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from rlhf_lightning.losses import ADVANTAGE_ESTIMATORS, AGGREGATION_MODES, KL_ESTIMATORS, POLICY_LOSSES
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOGGERS = ("csv", "tensorboard", "wandb")
+STRATEGIES = ("auto",)
+
+
+class ConfigError(ValueError):
+    """An invalid config value: ``field=value``, and what is allowed."""
+
+    def __init__(self, field: str, value: Any, allowed: str) -> None:
+        self.field, self.value = field, value
+        super().__init__(f"invalid config: {field}={value!r}: {allowed}")
+
+
+def check(ok: bool, field: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(field, value, allowed)
+
+
+def is_hub_id(path: str) -> bool:
+    """``org/name`` with no local meaning (not absolute, not ./ or ~, no such directory)."""
+    p = path.strip()
+    return (
+        p.count("/") == 1
+        and not p.startswith(("/", ".", "~"))
+        and not Path(p).exists()
+        and all(part and " " not in part for part in p.split("/"))
+    )
+
+
+def check_model_path(field: str, path: str) -> None:
+    if is_hub_id(path):
+        return
+    p = Path(path).expanduser()
+    check(
+        p.is_dir(),
+        field,
+        path,
+        "no such directory; give an existing local model directory or a Hub id 'org/name'",
+    )
+    check(
+        (p / "config.json").is_file(),
+        field,
+        path,
+        "the directory has no config.json; point it at a saved model (save_pretrained output)",
+    )
+
+
+def validate_model(m: DictConfig) -> None:
+    check_model_path("model.path", m.path)
+    if m.tokenizer_path is not None:
+        check_model_path("model.tokenizer_path", m.tokenizer_path)
+    check(m.dtype in DTYPES, "model.dtype", m.dtype, f"one of {', '.join(DTYPES)}")
+    check(m.finetune in ("lora", "full"), "model.finetune", m.finetune, "one of lora, full")
+    if m.finetune == "lora":
+        check(m.lora.r > 0, "model.lora.r", m.lora.r, "a positive rank")
+        check(m.lora.alpha > 0, "model.lora.alpha", m.lora.alpha, "a positive number")
+        check(0.0 <= m.lora.dropout < 1.0, "model.lora.dropout", m.lora.dropout, "a probability in [0, 1)")
+
+
+def validate_grpo(a: DictConfig, rollout: DictConfig) -> None:
+    check(a.loss in POLICY_LOSSES, "algo.loss", a.loss, f"one of {', '.join(POLICY_LOSSES.names())}")
+    check(
+        a.loss_agg_mode in AGGREGATION_MODES,
+        "algo.loss_agg_mode",
+        a.loss_agg_mode,
+        f"one of {', '.join(AGGREGATION_MODES)}",
+    )
+    check(
+        a.advantage in ADVANTAGE_ESTIMATORS,
+        "algo.advantage",
+        a.advantage,
+        f"one of {', '.join(ADVANTAGE_ESTIMATORS.names())}",
+    )
+    check(
+        a.advantage_scale in ("group", "batch", "none"),
+        "algo.advantage_scale",
+        a.advantage_scale,
+        "one of group, batch, none",
+    )
+    check(
+        a.kl_estimator in KL_ESTIMATORS,
+        "algo.kl_estimator",
+        a.kl_estimator,
+        f"one of {', '.join(KL_ESTIMATORS)}",
+    )
+    check(
+        a.group_size >= 2,
+        "algo.group_size",
+        a.group_size,
+        "at least 2: group-relative advantages compare completions of the same prompt",
+    )
+    check(a.prompts_per_step >= 1, "algo.prompts_per_step", a.prompts_per_step, "at least 1")
+    rollout_batch = a.prompts_per_step * a.group_size
+    mini = a.mini_batch_size or rollout_batch
+    check(
+        1 <= mini <= rollout_batch and rollout_batch % mini == 0,
+        "algo.mini_batch_size",
+        a.mini_batch_size,
+        f"a divisor of the rollout batch prompts_per_step x group_size = {rollout_batch}",
+    )
+    micro = a.micro_batch_size or mini
+    check(
+        1 <= micro <= mini and mini % micro == 0,
+        "algo.micro_batch_size",
+        a.micro_batch_size,
+        f"a divisor of the mini-batch ({mini} trajectories)",
+    )
+    check(a.update_epochs >= 1, "algo.update_epochs", a.update_epochs, "at least 1")
+    check(a.lr > 0, "algo.lr", a.lr, "a learning rate > 0")
+    check(a.weight_decay >= 0, "algo.weight_decay", a.weight_decay, ">= 0")
+    check(a.warmup_steps >= 0, "algo.warmup_steps", a.warmup_steps, ">= 0")
+    check(0.0 <= a.min_lr_ratio <= 1.0, "algo.min_lr_ratio", a.min_lr_ratio, "in [0, 1]")
+    check(
+        a.grad_clip is None or a.grad_clip > 0, "algo.grad_clip", a.grad_clip, "> 0, or null for no clipping"
+    )
+    check(a.beta >= 0, "algo.beta", a.beta, "a KL coefficient >= 0")
+    check(a.kl_clamp is None or a.kl_clamp > 0, "algo.kl_clamp", a.kl_clamp, "> 0, or null")
+    check(
+        a.clip_low is None or 0.0 <= a.clip_low < 1.0,
+        "algo.clip_low",
+        a.clip_low,
+        "an offset in [0, 1) (the ratio's lower bound is 1 - clip_low), or null for none",
+    )
+    check(
+        a.clip_high is None or a.clip_high > 0.0,
+        "algo.clip_high",
+        a.clip_high,
+        "an offset > 0 (the ratio's upper bound is 1 + clip_high), or null for none",
+    )
+    check(
+        a.clip_ratio_c is None or a.clip_ratio_c > 1.0,
+        "algo.clip_ratio_c",
+        a.clip_ratio_c,
+        "a dual-clip bound > 1, or null",
+    )
+    check(
+        a.chunk_rows is None or a.chunk_rows > 0,
+        "algo.chunk_rows",
+        a.chunk_rows,
+        "a positive int, or null (auto)",
+    )
+    check(
+        a.max_len_norm is None or a.max_len_norm > 0,
+        "algo.max_len_norm",
+        a.max_len_norm,
+        "a positive token count, or null (rollout.max_new_tokens)",
+    )
+    check(len(a.adam_betas) == 2, "algo.adam_betas", list(a.adam_betas), "two numbers [beta1, beta2]")
+
+
+def validate_rollout(r: DictConfig) -> None:
+    check(r.engine in ("hf",), "rollout.engine", r.engine, "one of hf")
+    check(r.max_new_tokens > 0, "rollout.max_new_tokens", r.max_new_tokens, "a positive number of tokens")
+    check(
+        r.temperature > 0,
+        "rollout.temperature",
+        r.temperature,
+        "> 0 (training samples; eval runs greedy too)",
+    )
+    check(0.0 < r.top_p <= 1.0, "rollout.top_p", r.top_p, "in (0, 1]")
+    check(r.top_k >= 0, "rollout.top_k", r.top_k, ">= 0 (0 disables top-k)")
+    check(
+        r.max_batch_size is None or r.max_batch_size > 0,
+        "rollout.max_batch_size",
+        r.max_batch_size,
+        "> 0 or null",
+    )
+
+
+def check_known_keys(node: Any, prefix: str = "") -> None:
+    """Keys added with ``+group.key=...`` that the group's schema does not define are typos."""
+    if not isinstance(node, DictConfig):
+        return
+    schema = OmegaConf.get_type(node)
+    if schema is not None and dataclasses.is_dataclass(schema):
+        known = {f.name for f in dataclasses.fields(schema)}
+        for key in node:
+            if key not in known:
+                raise ConfigError(
+                    f"{prefix}{key!s}",
+                    node[key],
+                    f"not a field of {prefix.rstrip('.') or 'the config'}; valid: {', '.join(sorted(known))}",
+                )
+    for key in node:
+        if isinstance(key, str) and key != "kwargs":
+            check_known_keys(node._get_node(key), f"{prefix}{key}.")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Check the composed config; raises :class:`ConfigError` on the first invalid value."""
+    check_known_keys(cfg)
+    validate_model(cfg.model)
+    validate_rollout(cfg.rollout)
+    if cfg.algo.module == "grpo":
+        validate_grpo(cfg.algo, cfg.rollout)
+    else:
+        raise ConfigError("algo.module", cfg.algo.module, "one of grpo")
+    e = cfg.env
+    check(e.max_turns >= 1, "env.max_turns", e.max_turns, "at least 1")
+    check(
+        e.max_model_len > cfg.rollout.max_new_tokens,
+        "env.max_model_len",
+        e.max_model_len,
+        f"more than rollout.max_new_tokens ({cfg.rollout.max_new_tokens})",
+    )
+    check(cfg.logger.name in LOGGERS, "logger.name", cfg.logger.name, f"one of {', '.join(LOGGERS)}")
+    check(
+        cfg.strategy.name in STRATEGIES, "strategy.name", cfg.strategy.name, f"one of {', '.join(STRATEGIES)}"
+    )
+    check(cfg.num_threads is None or cfg.num_threads > 0, "num_threads", cfg.num_threads, "> 0, or null")
+    check(cfg.eval.batch_size > 0, "eval.batch_size", cfg.eval.batch_size, "> 0")
+    check(cfg.checkpoint.every_n_steps >= 0, "checkpoint.every_n_steps", cfg.checkpoint.every_n_steps, ">= 0")
+    if cfg.ckpt_path is not None:
+        check(
+            Path(cfg.ckpt_path).is_file(), "ckpt_path", cfg.ckpt_path, "an existing Lightning checkpoint file"
+        )

@@ -1,0 +1,71 @@
+"""Offline fixtures: the embedded tiny model, composed configs shrunk for speed."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+from rlhf_lightning.config import register_configs
+from rlhf_lightning.models.tiny import TINY_MODEL_DIR
+
+torch.set_num_threads(1)
+register_configs()
+
+ROOT = Path(__file__).resolve().parent.parent
+CONF = ROOT / "conf"
+
+# Small but real: 4 prompts x 4 samples, 20 eval problems.
+FAST = [
+    "algo.prompts_per_step=4",
+    "algo.group_size=4",
+    "trainer.max_steps=2",
+    "trainer.val_check_interval=2",
+    "trainer.enable_progress_bar=false",
+    "env.kwargs.eval_size=20",
+    "eval.batch_size=20",
+    "samples.every_n_steps=1",
+]
+
+
+def compose_config(overrides: list[str] | None = None, output_dir: Path | None = None) -> DictConfig:
+    """``conf/config.yaml`` composed with ``overrides`` (no Hydra run, no chdir)."""
+    extra = [f"output_dir={output_dir}"] if output_dir is not None else []
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        return compose(config_name="config", overrides=[*(overrides or []), *extra])
+
+
+@pytest.fixture
+def fast_cfg(tmp_path: Path):
+    def make(*overrides: str) -> DictConfig:
+        return compose_config([*FAST, *overrides], output_dir=tmp_path / "run")
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_path() -> str:
+    return str(TINY_MODEL_DIR)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_path):
+    from rlhf_lightning.models.build import load_tokenizer
+
+    return load_tokenizer(tiny_path)
+
+
+@pytest.fixture
+def tiny_model(tiny_path):
+    from rlhf_lightning.models.build import load_model
+
+    return load_model(tiny_path, dtype="float32", attn_implementation="eager")

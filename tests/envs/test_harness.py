@@ -1,0 +1,92 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_lightning.envs.arithmetic import ArithmeticEnv
+from rlhf_lightning.envs.harness import ChatFormatter, RolloutHarness
+from rlhf_lightning.rollout.engine import Completion, SamplingParams
+
+
+class ScriptedEngine:
+    """Returns fixed token ids per call, so the expected trajectory is known exactly."""
+
+    def __init__(self, replies: list[list[int]], finish: str = "stop") -> None:
+        self.replies, self.finish, self.calls = replies, finish, []
+
+    def generate(self, prompt_token_ids, params):
+        self.calls.append([list(p) for p in prompt_token_ids])
+        out = []
+        for i, _ in enumerate(prompt_token_ids):
+            ids = self.replies[i % len(self.replies)]
+            out.append(Completion(list(ids), [-0.5] * len(ids), self.finish, i))
+        return out
+
+    def sleep(self):
+        pass
+
+    def wake(self):
+        pass
+
+    def sync_weights(self, model):
+        pass
+
+
+def test_single_turn_batch_is_token_exact(tiny_tokenizer):
+    tok = tiny_tokenizer
+    answer_ids = tok("42", add_special_tokens=False).input_ids + [tok.eos_token_id]
+    other_ids = tok("7", add_special_tokens=False).input_ids + [tok.eos_token_id]
+    engine = ScriptedEngine([answer_ids, other_ids])
+    harness = RolloutHarness(ArithmeticEnv, tok, ChatFormatter(tok), max_turns=1, max_model_len=256)
+    result = harness.rollout(engine, [0, 5], SamplingParams(max_new_tokens=4), group_size=2)
+    b = result.batch
+    assert b.input_ids.shape[0] == 4 and b.group_ids.tolist() == [0, 0, 1, 1]
+    for i in range(len(result.trajectories)):
+        prompt = ChatFormatter(tok).prompt_ids(ArithmeticEnv().reset(row_index=[0, 5][i // 2])[0])
+        reply = [answer_ids, other_ids][i % 2]
+        n = len(prompt) + len(reply)
+        assert b.input_ids[i, :n].tolist() == prompt + reply
+        assert b.attention_mask[i].sum().item() == n
+        # action_mask[t] marks token t+1: exactly the reply positions.
+        expected = torch.zeros(b.action_mask.shape[1], dtype=torch.bool)
+        expected[len(prompt) - 1 : n - 1] = True
+        assert torch.equal(b.action_mask[i], expected)
+        assert b.turn_ids[i][expected].eq(0).all() and b.turn_ids[i][~expected].eq(-1).all()
+        assert torch.allclose(b.sampling_logps[i][expected], torch.tensor(-0.5))
+    assert b.rewards.shape == (4, 1)
+
+
+def test_prompt_too_long_is_truncated_not_cut(tiny_tokenizer):
+    tok = tiny_tokenizer
+    engine = ScriptedEngine([[tok.eos_token_id]])
+    harness = RolloutHarness(ArithmeticEnv, tok, ChatFormatter(tok), max_turns=1, max_model_len=20)
+    result = harness.rollout(engine, [0], SamplingParams(max_new_tokens=4), group_size=2)
+    assert result.batch.truncated.all() and not result.batch.action_mask.any()
+    assert engine.calls == []
+
+
+class BadEnv:
+    def __init__(self, bad):
+        self.bad = bad
+
+    def reset(self, seed=None, *, row_index=None, evaluation=False):
+        return "q", {}
+
+    def step(self, action):
+        return self.bad
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        ((None, 1.0, True, False, {}), "BadEnv.step returned observation of type NoneType"),
+        (("", float("nan"), True, False, {}), "BadEnv.step returned reward=nan"),
+        (("", "1", True, False, {}), "BadEnv.step returned reward='1'"),
+        (("", 1.0, 1, False, {}), "BadEnv.step returned terminated=1"),
+        (("", 1.0, True, False), "BadEnv.step must return"),
+    ],
+)
+def test_env_returning_wrong_types_is_named(tiny_tokenizer, bad, match):
+    harness = RolloutHarness(lambda: BadEnv(bad), tiny_tokenizer, ChatFormatter(tiny_tokenizer))
+    with pytest.raises(TypeError, match=match):
+        harness.rollout(ScriptedEngine([[5, 2]]), [0], SamplingParams(max_new_tokens=2))

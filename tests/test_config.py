@@ -1,0 +1,147 @@
+"""Every YAML composes; every invalid value fails at start-up with field, value and what is allowed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf import OmegaConf
+from omegaconf.errors import ValidationError
+
+from rlhf_lightning.models.build import load_tokenizer
+from rlhf_lightning.models.tiny import build_tokenizer
+from rlhf_lightning.validation import ConfigError, validate
+from tests.conftest import CONF, compose_config
+
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
+
+
+def group_options():
+    for group in GROUPS:
+        for yaml in sorted((CONF / group).glob("*.yaml")):
+            yield group, yaml.stem
+
+
+@pytest.mark.parametrize(("group", "option"), list(group_options()))
+def test_every_yaml_composes_and_resolves(group, option, tiny_path):
+    overrides = [f"{group}={option}"]
+    if (group, option) == ("model", "local"):
+        overrides.append(f"model.path={tiny_path}")
+    cfg = compose_config(overrides, output_dir=Path("/tmp/unused"))
+    container = OmegaConf.to_container(cfg, resolve=True)
+    assert container["algo"]["name"] and container["model"]["path"]
+    if group == "model" and option.startswith("qwen"):
+        assert container["model"]["path"].startswith("Qwen/")
+    if group not in ("model", "experiment"):  # Hub models are validated when reachable
+        validate(cfg)
+
+
+def test_default_model_is_the_embedded_checkpoint(tiny_path):
+    cfg = compose_config()
+    assert (
+        cfg.model.path == tiny_path and cfg.algo.name == "grpo" and cfg.env._target_.endswith("ArithmeticEnv")
+    )
+
+
+def test_cispo_is_the_grpo_module_with_the_cispo_loss():
+    cfg = compose_config(["algo=cispo"])
+    assert (cfg.algo.module, cfg.algo.loss, cfg.algo.clip_low, cfg.algo.clip_high) == (
+        "grpo",
+        "cispo",
+        None,
+        4.0,
+    )
+    assert cfg.algo.group_size == compose_config().algo.group_size
+
+
+def test_unknown_group_option_lists_choices():
+    with pytest.raises(MissingConfigException, match=r"(?s)Available options.*cispo.*grpo"):
+        compose_config(["algo=grpoo"])
+
+
+def test_typos_and_wrong_types_fail_at_composition():
+    with pytest.raises(ConfigCompositionException) as err:
+        compose_config(["algo.grup_size=4"])
+    assert "Key 'grup_size' not in 'GRPOConfig'" in str(err.value.__cause__)
+    with pytest.raises(ConfigError, match=r"algo.grup_size=4: not a field of algo; valid: .*group_size"):
+        validate(compose_config(["+algo.grup_size=4"]))
+    with pytest.raises(ConfigCompositionException) as err:
+        compose_config(["algo.group_size=many"])
+    assert isinstance(err.value.__cause__, ValidationError)
+
+
+BAD = [
+    ("algo.group_size=1", "algo.group_size=1", "at least 2"),
+    (
+        "algo.prompts_per_step=4 algo.group_size=4 algo.mini_batch_size=5",
+        "algo.mini_batch_size=5",
+        "divisor of the rollout batch",
+    ),
+    (
+        "algo.mini_batch_size=8 algo.micro_batch_size=3",
+        "algo.micro_batch_size=3",
+        "divisor of the mini-batch",
+    ),
+    ("algo.lr=0", "algo.lr=0.0", "learning rate > 0"),
+    ("algo.lr=-1e-5", "algo.lr=-1e-05", "learning rate > 0"),
+    ("algo.clip_low=1.5", "algo.clip_low=1.5", "[0, 1)"),
+    ("algo.clip_high=-0.1", "algo.clip_high=-0.1", "offset > 0"),
+    ("algo.clip_ratio_c=0.5", "algo.clip_ratio_c=0.5", "> 1"),
+    ("algo.update_epochs=0", "algo.update_epochs=0", "at least 1"),
+    ("algo.chunk_rows=0", "algo.chunk_rows=0", "positive int"),
+    ("algo.loss=ppo", "algo.loss='ppo'", "one of cispo, ppo_clip"),
+    ("algo.beta=-0.1", "algo.beta=-0.1", ">= 0"),
+    ("rollout.max_new_tokens=0", "rollout.max_new_tokens=0", "positive number of tokens"),
+    ("rollout.temperature=0", "rollout.temperature=0.0", "> 0"),
+    ("rollout.top_p=1.5", "rollout.top_p=1.5", "(0, 1]"),
+    ("model.path=/no/such/model", "model.path='/no/such/model'", "no such directory"),
+    ("model.finetune=qlora", "model.finetune='qlora'", "one of lora, full"),
+    ("model.dtype=fp8", "model.dtype='fp8'", "one of auto"),
+    ("env.max_model_len=4", "env.max_model_len=4", "more than rollout.max_new_tokens"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "field", "allowed"), BAD)
+def test_invalid_values_name_field_value_and_allowed(overrides, field, allowed):
+    cfg = compose_config(overrides.split())
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert f"invalid config: {field}:" in str(err.value)
+    assert allowed in str(err.value)
+
+
+def test_model_dir_without_config_json(tmp_path):
+    cfg = compose_config([f"model.path={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"no config\.json"):
+        validate(cfg)
+
+
+def test_run_rejects_bad_values_before_loading_anything(tmp_path):
+    from rlhf_lightning.run import run
+
+    cfg = compose_config(["algo.group_size=1", "model.path=/no/such/model"], output_dir=tmp_path)
+    with pytest.raises(ConfigError, match=r"model\.path"):  # the first invalid field, before any load
+        run(cfg)
+    assert not (tmp_path / "metrics.csv").exists()
+
+
+def test_tokenizer_without_pad_token_or_chat_template(tmp_path):
+    tok = build_tokenizer(["hello world 123"], vocab_size=300)
+    tok.pad_token = None
+    tok.chat_template = None
+    tok.save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match=r"model.pad_token=None: .*has no pad token; set model.pad_token"):
+        load_tokenizer(str(tmp_path))
+    with pytest.raises(
+        ConfigError, match=r"no chat template; set model.chat_template.*env.apply_chat_template=false"
+    ):
+        load_tokenizer(str(tmp_path), pad_token="<|endoftext|>")
+    assert (
+        load_tokenizer(str(tmp_path), pad_token="<|endoftext|>", need_chat_template=False).pad_token_id == 0
+    )
+
+
+def test_hub_id_is_not_treated_as_a_missing_directory():
+    cfg = compose_config(["model=qwen0.5b"])
+    validate(cfg)  # a Hub id passes validation; loading it needs the Hub or a local copy

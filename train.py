@@ -1,0 +1,21 @@
+"""Train an RL fine-tuning run: ``python train.py algo=cispo model=qwen0.5b env=arithmetic``."""
+
+from __future__ import annotations
+
+import hydra
+from omegaconf import DictConfig
+
+from rlhf_lightning.config import register_configs
+from rlhf_lightning.run import run
+
+register_configs()
+
+
+@hydra.main(version_base=None, config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> float | None:
+    metrics = run(cfg)
+    return metrics.get("eval/accuracy_sampled")  # the value an Optuna sweeper would optimise
+
+
+if __name__ == "__main__":
+    main()
