@@ -22,7 +22,11 @@ ROOT = Path(__file__).resolve().parent.parent
 def evals(run_dir: Path) -> list[dict[str, float]]:
     rows = csv.DictReader((run_dir / "metrics.csv").open())
     return [
-        {"step": float(r["step"]), "sampled": float(r["eval/accuracy_sampled"]), "greedy": float(r["eval/accuracy_greedy"])}
+        {
+            "step": float(r["step"]),
+            "sampled": float(r["eval/accuracy_sampled"]),
+            "greedy": float(r["eval/accuracy_greedy"]),
+        }
         for r in rows
         if r.get("eval/accuracy_sampled")
     ]
@@ -40,8 +44,15 @@ def main() -> None:
     for algo in a.algos:
         for seed in a.seeds:
             out = a.out / f"{algo}_seed{seed}"
-            cmd = [sys.executable, str(ROOT / "train.py"), f"algo={algo}", f"seed={seed}", f"output_dir={out}",
-                   "trainer.enable_progress_bar=false", *a.args]
+            cmd = [
+                sys.executable,
+                str(ROOT / "train.py"),
+                f"algo={algo}",
+                f"seed={seed}",
+                f"output_dir={out}",
+                "trainer.enable_progress_bar=false",
+                *a.args,
+            ]
             t0 = time.perf_counter()
             proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
             wall = time.perf_counter() - t0

@@ -53,13 +53,33 @@ class GRPOConfig:
     clip_low: float | None = 0.2
     clip_high: float | None = 0.2
     clip_ratio_c: float | None = None
+    is_level: str = "sequence"  # gspo: pool the ratio per sequence | turn
+    is_pooling: str = "mean"  # gspo: mean (geometric mean) | sum (product of token ratios)
     max_len_norm: int | None = None  # seq_mean_token_sum_norm's constant; default rollout.max_new_tokens
+    # Advantages: a name in rlhf_lightning.losses.ADVANTAGE_ESTIMATORS.
     advantage: str = "grpo"
-    advantage_scale: str = "group"  # group | batch | none
-    # KL to the reference policy (base model, adapters disabled), in the loss.
+    advantage_scale: str = "group"  # grpo: divide by the group | batch std, or none
+    whiten_advantages: bool = False
+    advantage_clip: float | None = None  # clip advantages to [-c, c]
+    # DAPO extras (arXiv 2503.14476).
+    dynamic_sampling: bool = False  # drop groups with equal rewards, refill with new prompts
+    max_resample_rounds: int = 3  # refill rounds per step (0: only drop)
+    overlong_buffer: int | None = None  # soft overlong penalty over the last N tokens before max_new_tokens
+    overlong_penalty_factor: float = 1.0
+    mask_truncated: bool = False  # truncated completions carry no loss
+    # KL to the reference policy (base model with adapters disabled, or a frozen copy).
     beta: float = 0.0
     kl_estimator: str = "k3"
-    kl_clamp: float | None = 10.0
+    kl_clamp: float | None = 10.0  # per-token clamp
+    kl_mode: str = "loss"  # loss | reward (subtracted from the return) | advantage (per-token shaping)
+    kl_importance_weighted: bool = False  # weight the KL term by the ratio (unbiased off-policy)
+    # Off-policy corrections (rollout engine vs trainer).
+    old_logprobs_source: str = "trainer"  # trainer (recompute) | rollout (engine's sampling log-probs)
+    tis_cap: float | None = 2.0  # truncated importance sampling cap; null disables
+    offpolicy_token_bounds: list[float] | None = None  # keep tokens whose trainer/engine ratio is inside
+    offpolicy_seq_threshold: float | None = (
+        None  # drop sequences whose mean engine-trainer log-ratio exceeds it
+    )
     # Batch geometry, in trajectories (prompts_per_step x group_size per rollout step).
     group_size: int = 8
     prompts_per_step: int = 16
@@ -150,7 +170,7 @@ class EvalConfig:
 
 @dataclass
 class CheckpointConfig:
-    every_n_steps: int = 200  # 0: only at the end
+    every_n_steps: int = 100  # 0: only at the end
     save_last: bool = True
     export_adapters: bool = True  # a PEFT directory per adapter next to each checkpoint
 

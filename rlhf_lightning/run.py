@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import logging
-import warnings
 import time
+import warnings
 from pathlib import Path
 from typing import Any, cast
 
@@ -155,6 +155,7 @@ def build(cfg: DictConfig, output_dir: Path) -> tuple[L.LightningModule, L.Light
         eval_greedy=cfg.eval.greedy,
         eval_sampled=cfg.eval.sampled,
         num_samples_to_keep=cfg.samples.num,
+        num_train_rows=train_rows,
     )
     dm = PromptDataModule(train_rows, eval_rows, a.prompts_per_step, cfg.eval.batch_size, seed=cfg.seed)
     return module, dm

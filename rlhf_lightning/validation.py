@@ -159,6 +159,53 @@ def validate_grpo(a: DictConfig, rollout: DictConfig) -> None:
         "a positive token count, or null (rollout.max_new_tokens)",
     )
     check(len(a.adam_betas) == 2, "algo.adam_betas", list(a.adam_betas), "two numbers [beta1, beta2]")
+    check(a.is_level in ("sequence", "turn"), "algo.is_level", a.is_level, "one of sequence, turn")
+    check(a.is_pooling in ("mean", "sum"), "algo.is_pooling", a.is_pooling, "one of mean, sum")
+    check(
+        a.advantage_clip is None or a.advantage_clip > 0,
+        "algo.advantage_clip",
+        a.advantage_clip,
+        "> 0, or null",
+    )
+    check(a.max_resample_rounds >= 0, "algo.max_resample_rounds", a.max_resample_rounds, ">= 0")
+    check(
+        a.overlong_buffer is None or 0 < a.overlong_buffer <= rollout.max_new_tokens,
+        "algo.overlong_buffer",
+        a.overlong_buffer,
+        f"a token count in [1, rollout.max_new_tokens={rollout.max_new_tokens}], or null",
+    )
+    check(a.overlong_penalty_factor >= 0, "algo.overlong_penalty_factor", a.overlong_penalty_factor, ">= 0")
+    check(
+        a.kl_mode in ("loss", "reward", "advantage"),
+        "algo.kl_mode",
+        a.kl_mode,
+        "one of loss, reward, advantage",
+    )
+    check(
+        a.old_logprobs_source in ("trainer", "rollout"),
+        "algo.old_logprobs_source",
+        a.old_logprobs_source,
+        "one of trainer, rollout",
+    )
+    check(
+        a.tis_cap is None or a.tis_cap >= 1.0,
+        "algo.tis_cap",
+        a.tis_cap,
+        ">= 1 (a cap on importance weights), or null",
+    )
+    bounds = a.offpolicy_token_bounds
+    check(
+        bounds is None or (len(bounds) == 2 and 0 <= bounds[0] < 1 < bounds[1]),
+        "algo.offpolicy_token_bounds",
+        None if bounds is None else list(bounds),
+        "[low, high] with 0 <= low < 1 < high, or null",
+    )
+    check(
+        a.offpolicy_seq_threshold is None or a.offpolicy_seq_threshold > 0,
+        "algo.offpolicy_seq_threshold",
+        a.offpolicy_seq_threshold,
+        "> 0 nats, or null",
+    )
 
 
 def validate_rollout(r: DictConfig) -> None:

@@ -69,3 +69,26 @@ def tiny_model(tiny_path):
     from rlhf_lightning.models.build import load_model
 
     return load_model(tiny_path, dtype="float32", attn_implementation="eager")
+
+
+def fit_steps(cfg: DictConfig, tmp_path: Path, steps: int = 1, callbacks=(), module_hook=None):
+    """Build from ``cfg`` and run ``steps`` optimizer steps without loggers or checkpoints."""
+    import lightning as L
+
+    from rlhf_lightning.run import build
+
+    L.seed_everything(cfg.seed)
+    module, dm = build(cfg, tmp_path)
+    if module_hook is not None:
+        module_hook(module)
+    trainer = L.Trainer(
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=list(callbacks),
+    )
+    trainer.fit(module, datamodule=dm)
+    return module, trainer

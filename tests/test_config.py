@@ -90,7 +90,7 @@ BAD = [
     ("algo.clip_ratio_c=0.5", "algo.clip_ratio_c=0.5", "> 1"),
     ("algo.update_epochs=0", "algo.update_epochs=0", "at least 1"),
     ("algo.chunk_rows=0", "algo.chunk_rows=0", "positive int"),
-    ("algo.loss=ppo", "algo.loss='ppo'", "one of cispo, ppo_clip"),
+    ("algo.loss=ppo", "algo.loss='ppo'", "one of cispo, gspo, ppo_clip, reinforce"),
     ("algo.beta=-0.1", "algo.beta=-0.1", ">= 0"),
     ("rollout.max_new_tokens=0", "rollout.max_new_tokens=0", "positive number of tokens"),
     ("rollout.temperature=0", "rollout.temperature=0.0", "> 0"),

@@ -1,33 +1,39 @@
 """One training skeleton for every rollout algorithm.
 
     rows -> rollout (generate with the current policy, score in the env)
-         -> advantages -> no-grad old / reference log-probs
+         -> no-grad old / reference log-probs (only when needed)
+         -> rewards -> advantages; the tokens that count (truncation, off-policy masks)
          -> for epoch, mini-batch, micro-batch: loss -> manual_backward -> clip -> step
          -> namespaced metrics
 
 Subclasses override :meth:`compute_advantages` and :meth:`policy_loss` (and may add terms
-through :meth:`extra_loss`); everything else lives here once.
+through :meth:`extra_loss`, or change how rollouts are collected); the rest lives here once.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, cast
 
-import lightning as L
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from rlhf_lightning.algorithms.schedule import warmup_cosine
+from rlhf_lightning.algorithms.common import MetricAccumulator, Metrics, adamw_with_schedule
+from rlhf_lightning.algorithms.evaluation import RolloutEvaluation
 from rlhf_lightning.envs.harness import RolloutHarness, RolloutResult
 from rlhf_lightning.envs.trajectory import TrajectoryBatch
 from rlhf_lightning.losses import aggregate, kl
+from rlhf_lightning.losses.corrections import offpolicy_mask, overlong_penalty, truncated_importance_weights
+from rlhf_lightning.losses.kl import kl_penalized_returns, kl_shaped_advantages
 from rlhf_lightning.losses.masked import masked_mean
 from rlhf_lightning.models.policy import Policy
 from rlhf_lightning.rollout.engine import RolloutEngine, SamplingParams
 
-Metrics = dict[str, torch.Tensor]
+log = logging.getLogger(__name__)
+
+IS_GAP_WARN, IS_CLIP_WARN = 0.1, 0.02  # nats; share of truncated weights
 
 
 def _rows(x: torch.Tensor | None, index: torch.Tensor, width: int) -> torch.Tensor | None:
@@ -35,29 +41,7 @@ def _rows(x: torch.Tensor | None, index: torch.Tensor, width: int) -> torch.Tens
     return None if x is None else x[index][:, :width]
 
 
-class MetricAccumulator:
-    """Averages detached metrics over micro-batches (weighted) and updates; ``*_max`` keys keep the max."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, torch.Tensor] = {}
-        self.weights: dict[str, torch.Tensor] = {}
-
-    def add(self, metrics: Metrics, weight: torch.Tensor | float = 1.0) -> None:
-        for k, v in metrics.items():
-            v = v.detach().float()
-            if k.endswith("_max"):
-                self.sums[k] = torch.maximum(self.sums[k], v) if k in self.sums else v
-                self.weights[k] = torch.ones(())
-                continue
-            w = torch.as_tensor(weight, dtype=torch.float32, device=v.device)
-            self.sums[k] = self.sums.get(k, 0) + v * w
-            self.weights[k] = self.weights.get(k, 0) + w
-
-    def result(self) -> Metrics:
-        return {k: self.sums[k] / self.weights[k].clamp(min=1e-12).to(self.sums[k].device) for k in self.sums}
-
-
-class RolloutModule(L.LightningModule):
+class RolloutModule(RolloutEvaluation):
     """The rollout-algorithm skeleton (manual optimization).
 
     Args:
@@ -67,6 +51,7 @@ class RolloutModule(L.LightningModule):
         sampling: training sampling parameters (``n`` is ignored: see ``hp.group_size``).
         hp: the algorithm's config dataclass (e.g. :class:`~rlhf_lightning.config.GRPOConfig`).
         eval_greedy, eval_sampled: which evaluations the validation loop runs.
+        num_train_rows: rows in the env's train split (to draw extra prompts from).
     """
 
     def __init__(
@@ -80,12 +65,12 @@ class RolloutModule(L.LightningModule):
         eval_greedy: bool = True,
         eval_sampled: bool = True,
         num_samples_to_keep: int = 4,
+        num_train_rows: int | None = None,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
-        self.strict_loading = (
-            False  # checkpoints hold trainable weights only; the frozen base reloads from model.path
-        )
+        # Checkpoints hold trainable weights only; the frozen base reloads from model.path.
+        self.strict_loading = False
         self.policy = policy
         self.harness = harness
         self.engine = engine
@@ -93,17 +78,24 @@ class RolloutModule(L.LightningModule):
         self.hp = hp
         self.eval_greedy, self.eval_sampled = eval_greedy, eval_sampled
         self.num_samples_to_keep = num_samples_to_keep
+        self.num_train_rows = num_train_rows
         self.last_samples: list[dict[str, Any]] = []
         self.last_eval_step = -1
-        self._eval_outputs: dict[str, list[torch.Tensor]] = {}
+        self._eval_outputs = {}
+        self._warned_gap_at = -(10**9)
 
     # ---------------------------------------------------------------- hooks for subclasses
-    def compute_advantages(self, traj: TrajectoryBatch) -> torch.Tensor:
-        """Advantages per trajectory (B,) or per token (B, L-1)."""
+    def compute_advantages(self, traj: TrajectoryBatch, returns: torch.Tensor) -> torch.Tensor:
+        """Advantages per trajectory (B,) or per token (B, L-1) from (shaped) episode returns (B,)."""
         raise NotImplementedError
 
     def policy_loss(
-        self, logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor
+        self,
+        logp: torch.Tensor,
+        old_logp: torch.Tensor,
+        adv: torch.Tensor,
+        mask: torch.Tensor,
+        turn_ids: torch.Tensor,
     ) -> tuple[torch.Tensor, Metrics]:
         """Per-token policy loss (B, T) and detached metrics."""
         raise NotImplementedError
@@ -114,29 +106,34 @@ class RolloutModule(L.LightningModule):
         """Additional scalar loss for a micro-batch (e.g. a critic's value loss)."""
         return torch.zeros((), device=self.device), {}
 
+    def collect(self, rows: list[int]) -> tuple[RolloutResult, Metrics]:
+        """Training rollouts for ``rows`` (GRPO's dynamic sampling overrides this)."""
+        return self.rollout(rows, self.sampling, group_size=self.hp.group_size), {}
+
     # ---------------------------------------------------------------- the training step
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         t_start = time.perf_counter()
         # 1. Rollout: group_size episodes per prompt row, sampled from the current policy.
-        result = self.rollout(batch.tolist(), self.sampling, group_size=self.hp.group_size)
+        result, metrics = self.collect(batch.tolist())
         traj = result.batch.to(self.device)
         t_rollout = time.perf_counter() - t_start
-        # 2. Score: episode returns -> advantages.
-        adv = self.compute_advantages(traj)
-        # 3. Log-probs the update needs, computed once without gradients.
-        old_logp = self.old_logprobs(traj)  # None when every update is on-policy
+        # 2. Log-probs the update needs, once, without gradients.
+        old_logp = self.old_logprobs(traj)  # None: on-policy, the update's own log-probs (detached)
         ref_logp = self.batched_logprobs(traj, reference=True) if self.hp.beta > 0 else None
-        # 4. Optimize: update_epochs x mini-batches, each an accumulation over micro-batches.
-        metrics = self.update(traj, adv, old_logp, ref_logp)
+        # 3. Score: rewards -> advantages; pick the tokens that count in the loss.
+        adv, loss_mask, score_metrics = self.score(traj, old_logp, ref_logp)
+        metrics.update(score_metrics)
+        # 4. Optimize: update_epochs x mini-batches, each accumulated over micro-batches.
+        metrics.update(self.update(traj, adv, loss_mask, old_logp, ref_logp))
         # 5. Log.
         step_s = time.perf_counter() - t_start
-        action_tokens = traj.action_mask.sum()
         metrics.update(self.rollout_metrics(traj, result))
         metrics["perf/step_s"] = torch.tensor(step_s)
         metrics["perf/rollout_s"] = torch.tensor(t_rollout)
-        metrics["perf/tokens_per_s"] = action_tokens.float().cpu() / step_s
+        metrics["perf/tokens_per_s"] = traj.action_mask.sum().float().cpu() / step_s
         self.log_metrics(metrics)
         self.log("reward", metrics["rollout/reward_mean"], prog_bar=True, logger=False)
+        self.warn_on_engine_gap(metrics)
         self.keep_samples(result)
 
     def rollout(
@@ -144,13 +141,9 @@ class RolloutModule(L.LightningModule):
     ) -> RolloutResult:
         return self.harness.rollout(self.engine, rows, params, group_size=group_size, evaluation=evaluation)
 
-    @property
-    def on_policy(self) -> bool:
+    def is_on_policy(self, n: int) -> bool:
         """One epoch over one mini-batch: old log-probs equal the current ones (ratio 1)."""
-        return (
-            self.hp.update_epochs == 1
-            and self.mini_batch_size(self.rollout_batch_size) == self.rollout_batch_size
-        )
+        return self.hp.update_epochs == 1 and self.mini_batch_size(n) == n
 
     @property
     def rollout_batch_size(self) -> int:
@@ -160,7 +153,22 @@ class RolloutModule(L.LightningModule):
         return min(self.hp.mini_batch_size or n, n)
 
     def old_logprobs(self, traj: TrajectoryBatch) -> torch.Tensor | None:
-        return None if self.on_policy else self.batched_logprobs(traj)
+        """The behaviour log-probs the ratios use.
+
+        ``old_logprobs_source=rollout``: the engine's sampling log-probs (no extra pass).
+        ``trainer``: a no-grad pass, skipped when the update is on-policy and nothing before the
+        update needs them (off-policy masking, KL in reward or advantages).
+        """
+        if self.hp.old_logprobs_source == "rollout":
+            return traj.sampling_logps
+        needed_before_update = (
+            self.hp.offpolicy_token_bounds is not None
+            or self.hp.offpolicy_seq_threshold is not None
+            or (self.hp.beta > 0 and self.hp.kl_mode != "loss")
+        )
+        if self.is_on_policy(len(traj)) and not needed_before_update:
+            return None
+        return self.batched_logprobs(traj)
 
     @torch.no_grad()
     def batched_logprobs(self, traj: TrajectoryBatch, reference: bool = False) -> torch.Tensor:
@@ -168,24 +176,72 @@ class RolloutModule(L.LightningModule):
         out = torch.zeros(traj.action_mask.shape, device=self.device)
         micro = self.hp.micro_batch_size or len(traj)
         for index in torch.arange(len(traj), device=self.device).split(micro):
-            sub = traj.select(index)
-            logp, _ = self.policy.token_logprobs(
-                sub.input_ids,
-                sub.attention_mask,
-                sub.action_mask,
-                temperature=self.sampling.temperature,
-                chunk_rows=self.hp.chunk_rows,
-                reference=reference,
-                prompt_lens=sub.prompt_lens,
-                prefix_ids=sub.prefix_ids,
-            )
+            logp = self.token_logprobs(traj.select(index), reference=reference)
             out[index, : logp.shape[1]] = logp.float()
         return out
 
+    def token_logprobs(self, sub: TrajectoryBatch, reference: bool = False) -> torch.Tensor:
+        logp, _ = self.policy.token_logprobs(
+            sub.input_ids,
+            sub.attention_mask,
+            sub.action_mask,
+            temperature=self.sampling.temperature,
+            chunk_rows=self.hp.chunk_rows,
+            reference=reference,
+            prompt_lens=sub.prompt_lens,
+            prefix_ids=sub.prefix_ids,
+        )
+        return logp
+
+    # ---------------------------------------------------------------- scoring
+    def score(
+        self, traj: TrajectoryBatch, old_logp: torch.Tensor | None, ref_logp: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, Metrics]:
+        """Shaped returns -> advantages, and the loss mask (action tokens that count)."""
+        hp, metrics = self.hp, {}
+        returns = traj.returns.float()
+        if hp.overlong_buffer:
+            lengths = traj.action_mask.sum(-1)
+            penalty = overlong_penalty(
+                lengths, self.sampling.max_new_tokens, hp.overlong_buffer, hp.overlong_penalty_factor
+            )
+            returns = returns + penalty
+            metrics["rollout/overlong_penalty"] = penalty.mean()
+        kl_tokens = None
+        if ref_logp is not None and hp.kl_mode != "loss":
+            behaviour = old_logp if old_logp is not None else traj.sampling_logps
+            kl_tokens = kl(behaviour, ref_logp, hp.kl_estimator, hp.kl_clamp) * traj.action_mask
+            metrics["actor/kl"] = masked_mean(kl_tokens, traj.action_mask)
+            if hp.kl_mode == "reward":
+                returns = kl_penalized_returns(returns, kl_tokens, traj.action_mask, hp.beta)
+        adv = self.compute_advantages(traj, returns)
+        if kl_tokens is not None and hp.kl_mode == "advantage":
+            adv = kl_shaped_advantages(adv, kl_tokens, traj.action_mask, hp.beta)
+        mask = traj.action_mask
+        if hp.mask_truncated:
+            mask = mask & ~traj.truncated[:, None]
+            metrics["rollout/masked_truncated_frac"] = traj.truncated.float().mean()
+        if old_logp is not None and (
+            hp.offpolicy_token_bounds is not None or hp.offpolicy_seq_threshold is not None
+        ):
+            bounds = tuple(hp.offpolicy_token_bounds) if hp.offpolicy_token_bounds is not None else None
+            mask, m = offpolicy_mask(
+                old_logp,
+                traj.sampling_logps,
+                mask,
+                token_bounds=bounds,
+                seq_threshold=hp.offpolicy_seq_threshold,
+            )
+            metrics.update({f"is/{k}": v for k, v in m.items()})
+        metrics["actor/adv_mean"] = adv.float().mean() if adv.dim() == 1 else masked_mean(adv, mask)
+        return adv, mask, {k: v.detach().float().cpu() for k, v in metrics.items()}
+
+    # ---------------------------------------------------------------- the update
     def update(
         self,
         traj: TrajectoryBatch,
         adv: torch.Tensor,
+        loss_mask: torch.Tensor,
         old_logp: torch.Tensor | None,
         ref_logp: torch.Tensor | None,
     ) -> Metrics:
@@ -194,22 +250,23 @@ class RolloutModule(L.LightningModule):
         n = len(traj)
         mini = self.mini_batch_size(n)
         micro = min(self.hp.micro_batch_size or mini, mini)
-        # Rows whose advantage is 0 everywhere contribute no gradient when no KL term is used.
-        seq_adv = adv if adv.dim() == 1 else (adv * traj.action_mask).abs().sum(-1)
-        skip_zero = self.hp.skip_zero_advantage and self.hp.beta == 0 and self.can_skip_zero_advantage()
+        # Rows whose advantage is 0 everywhere add no gradient unless a KL loss term is used.
+        seq_adv = (adv if adv.dim() == 1 else (adv * loss_mask).abs().sum(-1)) * loss_mask.any(-1)
+        kl_in_loss = self.hp.beta > 0 and self.hp.kl_mode == "loss"
+        skip_zero = self.hp.skip_zero_advantage and not kl_in_loss and self.can_skip_zero_advantage()
         acc = MetricAccumulator()
         for _ in range(self.hp.update_epochs):
             order = torch.randperm(n, device=self.device) if n > mini else torch.arange(n, device=self.device)
             for mb in order.split(mini):
                 # Normalisers of the whole mini-batch (summed over ranks under DDP).
-                norm = self.normalisers(traj.action_mask[mb])
+                norm = self.normalisers(loss_mask[mb])
                 run = mb[seq_adv[mb] != 0] if skip_zero else mb
                 mb_loss = torch.zeros((), device=self.device)
                 for index in run.split(micro) if len(run) else ():
-                    loss, m = self.micro_step(traj, adv, old_logp, ref_logp, index, norm)
+                    loss, m = self.micro_step(traj, adv, loss_mask, old_logp, ref_logp, index, norm)
                     self.manual_backward(loss)
                     mb_loss = mb_loss + loss.detach()
-                    acc.add(m, weight=traj.action_mask[index].sum())
+                    acc.add(m, weight=loss_mask[index].sum())
                 max_norm = self.hp.grad_clip if self.hp.grad_clip is not None else float("inf")
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.trainable_parameters(), max_norm)
                 opt.step()
@@ -243,33 +300,38 @@ class RolloutModule(L.LightningModule):
         self,
         traj: TrajectoryBatch,
         adv: torch.Tensor,
+        loss_mask: torch.Tensor,
         old_logp: torch.Tensor | None,
         ref_logp: torch.Tensor | None,
         index: torch.Tensor,
         norm: dict[str, Any],
     ) -> tuple[torch.Tensor, Metrics]:
         """The loss of one micro-batch, already normalised for the whole mini-batch."""
+        hp = self.hp
         sub = traj.select(index)
-        width, mask = sub.action_mask.shape[1], sub.action_mask
-        logp, _ = self.policy.token_logprobs(
-            sub.input_ids,
-            sub.attention_mask,
-            mask,
-            temperature=self.sampling.temperature,
-            chunk_rows=self.hp.chunk_rows,
-            prompt_lens=sub.prompt_lens,
-            prefix_ids=sub.prefix_ids,
-        )
+        width = sub.action_mask.shape[1]
+        mask = loss_mask[index][:, :width]
+        logp = self.token_logprobs(sub)
         old = _rows(old_logp, index, width)
-        old = logp.detach() if old is None else old
+        trainer_old = logp.detach() if old is None else old
         a = adv[index] if adv.dim() == 1 else adv[index][:, :width]
-        per_token, m = self.policy_loss(logp, old, a, mask)
+        per_token, m = self.policy_loss(logp, trainer_old, a, mask, sub.turn_ids)
         metrics = {f"actor/{k}": v for k, v in m.items()}
-        if ref_logp is not None:
-            kl_t = kl(logp, ref_logp[index][:, :width], self.hp.kl_estimator, self.hp.kl_clamp)
-            per_token = per_token + self.hp.beta * kl_t
+        if hp.tis_cap is not None and hp.old_logprobs_source == "trainer":
+            # The engine sampled these tokens; reweight to the trainer's policy (truncated IS).
+            w, tm = truncated_importance_weights(trainer_old, sub.sampling_logps, mask, hp.tis_cap)
+            per_token = per_token * w
+            metrics.update({f"is/{k}": v for k, v in tm.items()})
+        if ref_logp is not None and hp.kl_mode == "loss":
+            kl_t = kl(logp, ref_logp[index][:, :width], hp.kl_estimator)
+            clamped = kl_t.clamp(-hp.kl_clamp, hp.kl_clamp) if hp.kl_clamp is not None else kl_t
+            if hp.kl_importance_weighted:  # unbiased under the behaviour policy's samples
+                clamped = clamped * torch.exp(logp - trainer_old).detach()
+            per_token = per_token + hp.beta * clamped
             metrics["actor/kl"] = masked_mean(kl_t.detach(), mask)
-        loss = aggregate(per_token, mask, self.hp.loss_agg_mode, max_len=self.max_len_norm, **norm)
+            if hp.kl_clamp is not None:
+                metrics["actor/kl_clamp_frac"] = masked_mean((kl_t.abs() > hp.kl_clamp).float(), mask)
+        loss = aggregate(per_token, mask, hp.loss_agg_mode, max_len=self.max_len_norm, **norm)
         extra, extra_metrics = self.extra_loss(traj, index, norm)
         metrics.update(extra_metrics)
         return loss + extra, metrics
@@ -289,68 +351,32 @@ class RolloutModule(L.LightningModule):
         out.update({k: torch.tensor(v) for k, v in result.metrics.items()})
         return {k: v.detach().float().cpu() for k, v in out.items()}
 
+    def warn_on_engine_gap(self, metrics: Metrics) -> None:
+        """Warn (at most every 100 steps) when the engine and the trainer disagree noticeably."""
+        gap, clip = metrics.get("is/gap_mean"), metrics.get("is/clip_frac")
+        if gap is None or clip is None or self.global_step - self._warned_gap_at < 100:
+            return
+        if float(gap) > IS_GAP_WARN or float(clip) > IS_CLIP_WARN:
+            self._warned_gap_at = self.global_step
+            log.warning(
+                "rollout engine and trainer log-probs differ: mean gap %.3f nats (warn > %.2f), "
+                "%.1f%% of importance weights truncated at %s (warn > %.0f%%); check dtype and sampling settings",
+                float(gap),
+                IS_GAP_WARN,
+                100 * float(clip),
+                self.hp.tis_cap,
+                100 * IS_CLIP_WARN,
+            )
+
     def keep_samples(self, result: RolloutResult) -> None:
         self.last_samples = [
             {"prompt": t.prompt_text, "completion": t.completion_text, "reward": sum(t.rewards)}
             for t in result.trajectories[: self.num_samples_to_keep]
         ]
 
-    # ---------------------------------------------------------------- evaluation
-    def on_validation_epoch_start(self) -> None:
-        self._eval_outputs = {}
-
-    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        rows = batch.tolist()
-        modes = []
-        if self.eval_greedy:
-            modes.append(("greedy", SamplingParams(self.sampling.max_new_tokens, temperature=0.0)))
-        if self.eval_sampled:
-            modes.append(("sampled", self.sampling))
-        for name, params in modes:
-            result = self.rollout(rows, params, group_size=1, evaluation=True)
-            self._eval_outputs.setdefault(f"eval/accuracy_{name}", []).append(
-                torch.tensor([_success(t) for t in result.trajectories], dtype=torch.float32)
-            )
-            self._eval_outputs.setdefault(f"eval/return_{name}", []).append(result.batch.returns.float())
-
-    def on_validation_epoch_end(self) -> None:
-        metrics = {}
-        for key, chunks in self._eval_outputs.items():
-            metrics[key] = cast(torch.Tensor, self.all_gather(torch.cat(chunks))).float().mean().cpu()
-        self.log_metrics(metrics)
-        for key, short in (("eval/accuracy_greedy", "acc"), ("eval/accuracy_sampled", "acc_sampled")):
-            if key in metrics:
-                self.log(short, metrics[key], prog_bar=True, logger=False)
-        self.last_eval_step = self.global_step
-
-    def log_metrics(self, metrics: Metrics) -> None:
-        """Send metrics to every logger at ``step`` = optimizer updates done so far (0 before training),
-        and keep them in ``trainer.callback_metrics``."""
-        if self._trainer is None:
-            return
-        values = {k: float(v) for k, v in metrics.items()}
-        for logger in self.loggers:
-            logger.log_metrics(values, step=self.global_step)
-        self.trainer.callback_metrics.update({k: v.detach().cpu() for k, v in metrics.items()})
-
     # ---------------------------------------------------------------- optimisation
     def configure_optimizers(self) -> Any:
-        hp = self.hp
-        opt = torch.optim.AdamW(
-            self.policy.trainable_parameters(),
-            lr=hp.lr,
-            weight_decay=hp.weight_decay,
-            betas=tuple(hp.adam_betas),
-            eps=hp.adam_eps,
-        )
-        total = self.total_optimizer_steps()
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt,
-            lambda s: warmup_cosine(
-                s, warmup_steps=hp.warmup_steps, total_steps=total, min_lr_ratio=hp.min_lr_ratio
-            ),
-        )
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        return adamw_with_schedule(self.policy.trainable_parameters(), self.hp, self.total_optimizer_steps())
 
     def total_optimizer_steps(self) -> int:
         trainer = self._trainer
@@ -358,23 +384,6 @@ class RolloutModule(L.LightningModule):
             return 1
         if trainer.max_steps and trainer.max_steps > 0:
             return trainer.max_steps
-        per_batch = self.hp.update_epochs * (
-            self.rollout_batch_size // self.mini_batch_size(self.rollout_batch_size)
-        )
+        n = self.rollout_batch_size
+        per_batch = self.hp.update_epochs * (n // self.mini_batch_size(n))
         return max(int(trainer.estimated_stepping_batches) * per_batch, 1)
-
-    # ---------------------------------------------------------------- checkpoints
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Keep trainable weights only: the frozen base is reloaded from its path on resume."""
-        trainable = {n for n, p in self.named_parameters() if p.requires_grad}
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
-        checkpoint["trainable_only"] = True
-
-
-def _success(traj: Any) -> float:
-    """An episode counts as solved when its last info says so (``correct``/``success``), else return > 0."""
-    last = traj.infos[-1] if traj.infos else {}
-    for key in ("correct", "success", "solved"):
-        if key in last:
-            return float(bool(last[key]))
-    return float(sum(traj.rewards) > 0)

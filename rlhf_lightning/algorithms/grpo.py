@@ -1,4 +1,5 @@
-"""GRPO and its loss variants (CISPO, DAPO, Dr.GRPO, GSPO): one module, the objective is config."""
+"""GRPO and its loss variants (CISPO, DAPO, Dr.GRPO, GSPO, RLOO, REINFORCE++): one module,
+the objective and the estimator are config."""
 
 from __future__ import annotations
 
@@ -6,9 +7,12 @@ import inspect
 
 import torch
 
-from rlhf_lightning.algorithms.base import Metrics, RolloutModule
-from rlhf_lightning.envs.trajectory import TrajectoryBatch
+from rlhf_lightning.algorithms.base import RolloutModule
+from rlhf_lightning.algorithms.common import Metrics
+from rlhf_lightning.envs.harness import RolloutResult
+from rlhf_lightning.envs.trajectory import TrajectoryBatch, collate
 from rlhf_lightning.losses import get_advantage_estimator, get_policy_loss
+from rlhf_lightning.losses.advantages import informative_groups, postprocess_advantages
 
 
 def hparams_for(fn: object, hp: object) -> dict:
@@ -21,20 +25,75 @@ class GRPOModule(RolloutModule):
     """Group-relative advantages over ``group_size`` completions per prompt, any registered objective.
 
     DeepSeekMath (arXiv 2402.03300): for each prompt sample G completions, score them,
-    ``A_i = (r_i - mean(r)) / std(r)`` for every token of completion i, then maximise the
-    clipped surrogate (``algo.loss``) with an optional KL penalty to the reference (``algo.beta``).
+    ``A_i = (r_i - mean(r)) / std(r)`` for every token of completion i, then minimise the
+    objective ``algo.loss`` (PPO-clip by default) with an optional KL term (``algo.beta``).
+    With ``dynamic_sampling`` (DAPO), groups whose rewards are all equal are dropped and
+    replaced by groups of freshly drawn prompts.
     """
 
     def setup(self, stage: str) -> None:
         self.loss_fn = get_policy_loss(self.hp.loss)
         self.loss_kwargs = hparams_for(self.loss_fn, self.hp)
+        self.loss_takes_turns = "turn_ids" in inspect.signature(self.loss_fn).parameters
         self.advantage_fn = get_advantage_estimator(self.hp.advantage)
         self.advantage_kwargs = {"scale": self.hp.advantage_scale} if self.hp.advantage == "grpo" else {}
+        self.row_generator = torch.Generator().manual_seed(torch.initial_seed() % 2**31)
 
-    def compute_advantages(self, traj: TrajectoryBatch) -> torch.Tensor:
-        return self.advantage_fn(traj.returns.float(), traj.group_ids, **self.advantage_kwargs)
+    def compute_advantages(self, traj: TrajectoryBatch, returns: torch.Tensor) -> torch.Tensor:
+        adv = self.advantage_fn(returns, traj.group_ids, **self.advantage_kwargs)
+        return postprocess_advantages(adv, whiten=self.hp.whiten_advantages, clip=self.hp.advantage_clip)
 
     def policy_loss(
-        self, logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor
+        self,
+        logp: torch.Tensor,
+        old_logp: torch.Tensor,
+        adv: torch.Tensor,
+        mask: torch.Tensor,
+        turn_ids: torch.Tensor,
     ) -> tuple[torch.Tensor, Metrics]:
-        return self.loss_fn(logp, old_logp, adv, mask, **self.loss_kwargs)
+        kwargs = dict(self.loss_kwargs)
+        if self.loss_takes_turns and self.hp.is_level == "turn":
+            kwargs["turn_ids"] = turn_ids
+        return self.loss_fn(logp, old_logp, adv, mask, **kwargs)
+
+    # ---------------------------------------------------------------- DAPO dynamic sampling
+    def collect(self, rows: list[int]) -> tuple[RolloutResult, Metrics]:
+        result = self.rollout(rows, self.sampling, group_size=self.hp.group_size)
+        if not self.hp.dynamic_sampling:
+            return result, {}
+        target = len(rows)
+        kept = self.informative(result)
+        dropped = len(result.trajectories) // self.hp.group_size - len(kept)
+        rounds = 0
+        while len(kept) < target and rounds < self.hp.max_resample_rounds and self.num_train_rows:
+            extra = torch.randint(
+                self.num_train_rows, (target - len(kept),), generator=self.row_generator
+            ).tolist()
+            more = self.rollout(extra, self.sampling, group_size=self.hp.group_size)
+            new = self.informative(more)
+            dropped += len(extra) - len(new)
+            kept += new
+            rounds += 1
+        metrics = {
+            "rollout/dropped_groups": torch.tensor(float(dropped)),
+            "rollout/resample_rounds": torch.tensor(float(rounds)),
+            "rollout/informative_groups": torch.tensor(float(min(len(kept), target))),
+        }
+        if not kept:  # nothing to learn from: keep the batch (all advantages are 0)
+            return result, metrics
+        trajectories = []
+        for g, group in enumerate(kept[:target]):
+            for t in group:
+                t.group_id = g
+                trajectories.append(t)
+        batch = collate(trajectories, self.harness.tokenizer.pad_token_id)
+        return RolloutResult(batch, trajectories, result.metrics), metrics
+
+    def informative(self, result: RolloutResult) -> list[list]:
+        """The groups of ``result`` whose rewards are not all equal."""
+        keep = informative_groups(result.batch.returns, result.batch.group_ids).tolist()
+        groups: dict[int, list] = {}
+        for t, k in zip(result.trajectories, keep):
+            if k:
+                groups.setdefault(t.group_id, []).append(t)
+        return list(groups.values())

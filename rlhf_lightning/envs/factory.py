@@ -22,7 +22,11 @@ def env_factory(target: str, kwargs: dict[str, Any]) -> Callable[[], TextEnv]:
     try:
         probe = factory()
     except TypeError as err:
-        raise ConfigError("env.kwargs", dict(kwargs), f"arguments accepted by {target} ({err})") from err
+        raise ConfigError(
+            "env.kwargs",
+            dict(kwargs),
+            f"arguments accepted by {target} ({err}); start from env=custom (empty kwargs) for your own env class",
+        ) from err
     if not isinstance(probe, TextEnv):
         raise ConfigError(
             "env._target_",

@@ -10,12 +10,13 @@ Notation:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from rlhf_lightning.registry import Registry
 
-AdvantageEstimator = Callable[..., torch.Tensor]
+AdvantageEstimator = Callable[..., Any]  # outcome estimators return (N,); gae returns (advantages, returns)
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
 
 
@@ -79,6 +80,7 @@ def grpo_advantages(
     raise ValueError(f"grpo advantages: unknown scale {scale!r}; valid: group, batch, none")
 
 
+@ADVANTAGE_ESTIMATORS.register("mean_only")
 @ADVANTAGE_ESTIMATORS.register("dr_grpo")
 def dr_grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """Dr.GRPO (arXiv 2503.20783, eq. 3): ``A_i = r_i - mean_group(r)``, no std division.
@@ -104,3 +106,108 @@ def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Ten
     count, mean = count.to(rewards.dtype), mean.to(rewards.dtype)
     others = (mean * count - rewards) / (count - 1).clamp(min=1.0)
     return torch.where(count > 1, rewards - others, torch.zeros_like(rewards))
+
+
+def _batch_whiten(x: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.numel() < 2:
+        return torch.zeros_like(x)
+    return (x - x.mean()) / (x.std() + eps)
+
+
+@ADVANTAGE_ESTIMATORS.register("rebn")
+def rebn_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, eps: float = 1e-6) -> torch.Tensor:
+    """REINFORCE with return batch normalisation (ReBN; GEM, arXiv 2510.01051, sec. 3):
+    ``A_i = (R_i - mean_batch(R)) / (std_batch(R) + eps)``; groups are not used.
+
+    Args:
+        rewards: episode returns. Shape: (N,)
+        group_ids: ignored. Shape: (N,)
+    """
+    return _batch_whiten(rewards, eps)
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_pp")
+def reinforce_pp_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor, *, eps: float = 1e-6
+) -> torch.Tensor:
+    """REINFORCE++-baseline (Hu et al. 2025, arXiv 2501.03262, sec. 3.2): subtract the group
+    mean, then whiten globally over the batch:
+    ``A_i = norm_batch(r_i - mean_group(r))``.
+
+    Args:
+        rewards: Shape: (N,)
+        group_ids: Shape: (N,)
+    """
+    _, mean, _ = group_stats(rewards, group_ids)
+    return _batch_whiten(rewards - mean.to(rewards.dtype), eps)
+
+
+@ADVANTAGE_ESTIMATORS.register("gae")
+def gae_advantages(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016, arXiv 1506.02438, eq. 16) over steps.
+
+    A step is a generated turn (turn-level, multi-turn) or an action token (token-level,
+    reward on the last token). Each row's valid steps are a prefix given by ``mask``; the value
+    after the last step is 0 (the episode ended).
+    ``delta_k = r_k + gamma * V_{k+1} - V_k``, ``A_k = sum_j (gamma * lam)^j delta_{k+j}``,
+    returns ``R_k = A_k + V_k``.
+
+    Args:
+        rewards: per-step rewards. Shape: (B, S)
+        values: per-step values (no gradient). Shape: (B, S)
+        mask: valid steps, a prefix of each row. Shape: (B, S)
+
+    Returns:
+        (advantages, returns), each Shape: (B, S), 0 outside the mask.
+    """
+    m = mask.to(values.dtype)
+    v = values.detach() * m
+    r = rewards * m
+    adv = torch.zeros_like(v)
+    running = torch.zeros_like(v[:, 0])
+    for k in reversed(range(v.shape[1])):
+        next_v = v[:, k + 1] if k + 1 < v.shape[1] else torch.zeros_like(running)
+        delta = r[:, k] + gamma * next_v - v[:, k]
+        running = (delta + gamma * lam * running) * m[:, k]
+        adv[:, k] = running
+    return adv, (adv + v) * m
+
+
+def postprocess_advantages(
+    advantages: torch.Tensor,
+    *,
+    whiten: bool = False,
+    clip: float | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Optional whitening over the batch and clipping to [-clip, clip].
+
+    Args:
+        advantages: Shape: (N,)
+    """
+    out = _batch_whiten(advantages, eps) if whiten else advantages
+    return out.clamp(-clip, clip) if clip is not None else out
+
+
+def informative_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """True for samples whose group's rewards are not all equal (DAPO's dynamic-sampling filter).
+
+    Args:
+        rewards, group_ids: Shape: (N,)
+    """
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    k = int(inverse.max()) + 1 if inverse.numel() else 0
+    lo = torch.full((k,), float("inf"), dtype=rewards.dtype, device=rewards.device).scatter_reduce(
+        0, inverse, rewards, "amin"
+    )
+    hi = torch.full((k,), float("-inf"), dtype=rewards.dtype, device=rewards.device).scatter_reduce(
+        0, inverse, rewards, "amax"
+    )
+    return (hi > lo)[inverse]

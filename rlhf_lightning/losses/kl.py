@@ -39,3 +39,33 @@ def kl(
     else:
         raise ValueError(f"unknown KL estimator {estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
     return out if clamp is None else out.clamp(-clamp, clamp)
+
+
+def kl_shaped_advantages(
+    advantages: torch.Tensor, kl_tokens: torch.Tensor, mask: torch.Tensor, beta: float
+) -> torch.Tensor:
+    """KL advantage shaping: ``A_t = A - beta * kl_t`` on every action token.
+
+    Args:
+        advantages: Shape: (B,) or (B, T)
+        kl_tokens: per-token KL estimates (no gradient). Shape: (B, T)
+        mask: Shape: (B, T)
+
+    Returns:
+        Shape: (B, T)
+    """
+    adv = advantages.unsqueeze(-1).expand_as(kl_tokens) if advantages.dim() == 1 else advantages
+    return (adv - beta * kl_tokens.detach()) * mask.to(kl_tokens.dtype)
+
+
+def kl_penalized_returns(
+    returns: torch.Tensor, kl_tokens: torch.Tensor, mask: torch.Tensor, beta: float
+) -> torch.Tensor:
+    """KL in the reward: ``R - beta * sum_t kl_t`` per trajectory (InstructGPT, arXiv 2203.02155, eq. 2).
+
+    Args:
+        returns: Shape: (B,)
+        kl_tokens: Shape: (B, T)
+        mask: Shape: (B, T)
+    """
+    return returns - beta * (kl_tokens.detach() * mask.to(kl_tokens.dtype)).sum(-1)

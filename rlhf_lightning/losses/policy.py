@@ -138,3 +138,93 @@ def reinforce_loss(
     adv = broadcast_advantages(advantages, logp)
     ratio = torch.exp(logp.detach() - old_logp.detach())
     return -adv * logp, _ratio_metrics(ratio, torch.zeros_like(mask, dtype=torch.bool), mask)
+
+
+def pooled_log_ratio(
+    log_ratio: torch.Tensor,
+    mask: torch.Tensor,
+    turn_ids: torch.Tensor | None = None,
+    pooling: str = "mean",
+) -> torch.Tensor:
+    """Pool per-token log-ratios over each sequence (or each turn) and broadcast back.
+
+    ``pooling="mean"``: the geometric-mean ratio (GSPO's length-normalised sequence ratio);
+    ``pooling="sum"``: the product of the token ratios.
+
+    Args:
+        log_ratio: logp - old_logp. Shape: (B, T)
+        mask: action tokens. Shape: (B, T)
+        turn_ids: the turn of each action token (-1 elsewhere) to pool per turn; None pools
+            per sequence. Shape: (B, T)
+
+    Returns:
+        each token's pooled log-ratio (0 outside the mask). Shape: (B, T)
+    """
+    b, t = log_ratio.shape
+    m = mask.to(log_ratio.dtype)
+    if turn_ids is None:
+        segment = torch.arange(b, device=log_ratio.device)[:, None].expand(b, t)
+        n_seg = b
+    else:
+        k = int(turn_ids.max()) + 1 if turn_ids.numel() else 1
+        segment = torch.arange(b, device=log_ratio.device)[:, None] * max(k, 1) + turn_ids.clamp(min=0)
+        n_seg = b * max(k, 1)
+    seg = segment.reshape(-1)
+    total = torch.zeros(n_seg, dtype=log_ratio.dtype, device=log_ratio.device).index_add(
+        0, seg, (log_ratio * m).reshape(-1)
+    )
+    if pooling == "mean":
+        count = torch.zeros(n_seg, dtype=log_ratio.dtype, device=log_ratio.device).index_add(
+            0, seg, m.reshape(-1)
+        )
+        total = total / count.clamp(min=1.0)
+    elif pooling != "sum":
+        raise ValueError(f"unknown ratio pooling {pooling!r}; valid: mean, sum")
+    return total[segment] * m
+
+
+@POLICY_LOSSES.register("gspo")
+def gspo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float | None = 3e-4,
+    clip_high: float | None = 4e-4,
+    is_pooling: str = "mean",
+    turn_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO: group sequence policy optimisation (Qwen, arXiv 2507.18071, eq. 5-7 and 13).
+
+    The importance ratio is the sequence's geometric-mean ratio
+    ``s_i = exp(mean_t(logp - old_logp))``, clipped per sequence to
+    [1 - clip_low, 1 + clip_high] (the paper: 3e-4 and 4e-4). Every token of sequence i
+    carries ``-min(s_i * A, clip(s_i) * A)`` (differentiable through all of the sequence's
+    tokens), so aggregating with ``seq_mean_token_mean`` gives exactly the paper's
+    ``-1/G sum_i min(s_i A_i, clip(s_i) A_i)``. Per-token advantages (B, T) weight the pooled
+    ratio token by token.
+
+    Multi-turn: with ``turn_ids`` the ratio is pooled per turn instead
+    (``is_pooling="mean"``: geometric mean; ``"sum"``: the product of the turn's token ratios),
+    and each turn counts with its token share under ``seq_mean_token_mean``.
+
+    Args:
+        logp: Shape: (B, T)
+        old_logp: Shape: (B, T)
+        advantages: Shape: (B,) or (B, T)
+        mask: Shape: (B, T)
+        turn_ids: Shape: (B, T) or None
+
+    Returns:
+        per-token loss (B, T); ``clipfrac`` counts tokens whose pooled ratio was clipped;
+        ``ratio_mean`` / ``ratio_max`` are over the pooled ratios.
+    """
+    adv = broadcast_advantages(advantages, logp)
+    # (B, T): every token of sequence (or turn) i carries s_i, differentiable w.r.t. all its tokens.
+    ratio = torch.exp(pooled_log_ratio(logp - old_logp.detach(), mask, turn_ids, is_pooling))
+    low, high = _bounds(clip_low, clip_high)
+    unclipped = -ratio * adv
+    clipped = -torch.clamp(ratio, low, high) * adv
+    loss = torch.maximum(unclipped, clipped)
+    return loss, _ratio_metrics(ratio, clipped > unclipped, mask)

@@ -51,6 +51,28 @@ def test_micro_batches_with_window_normalisers_equal_full_batch_gradient(mode):
     torch.testing.assert_close(acc, full, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("mode", AGGREGATION_MODES)
+def test_aggregate_gradient_is_mask_over_denominator(mode):
+    g = torch.Generator().manual_seed(8)
+    loss = torch.randn(4, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(4, 6, generator=g) > 0.4
+    mask[:, 0] = True
+    (grad,) = torch.autograd.grad(aggregate(loss, mask, mode, max_len=9), loss)
+    expected = torch.zeros(4, 6, dtype=torch.float64)
+    total, b = int(mask.sum()), 4
+    for i in range(4):
+        n_i = int(mask[i].sum())
+        for j in range(6):
+            if mask[i, j]:
+                expected[i, j] = {
+                    "token_mean": 1 / total,
+                    "seq_mean_token_mean": 1 / n_i / b,
+                    "seq_mean_token_sum": 1 / b,
+                    "seq_mean_token_sum_norm": 1 / 9 / b,
+                }[mode]
+    torch.testing.assert_close(grad, expected, rtol=0, atol=1e-12)
+
+
 def test_unknown_mode_and_missing_max_len_are_clear_errors():
     with pytest.raises(ValueError, match="valid modes: token_mean"):
         aggregate(torch.zeros(1, 1), torch.ones(1, 1), "token_sum")

@@ -1,4 +1,5 @@
-"""Each objective against an independent float64 implementation of its paper's formula."""
+"""Each objective against an independent float64 implementation of its paper's formula:
+element-wise Python arithmetic for the value and the analytic derivative for the gradient."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 import pytest
 import torch
 
-from rlhf_lightning.losses import POLICY_LOSSES, get_policy_loss
+from rlhf_lightning.losses import POLICY_LOSSES, aggregate, get_policy_loss
 
 
 def random_inputs(seed: int, b: int = 6, t: int = 9, per_token_adv: bool = False):
@@ -20,93 +21,124 @@ def random_inputs(seed: int, b: int = 6, t: int = 9, per_token_adv: bool = False
         else torch.randn(b, generator=g, dtype=torch.float64)
     )
     mask = torch.rand(b, t, generator=g) > 0.3
+    mask[:, 0] = True
     return logp, old, adv, mask
 
 
-def ref_ppo_clip(
-    lp: float, old: float, a: float, lo: float | None, hi: float | None, c: float | None
-) -> float:
+def clip(x: float, lo: float | None, hi: float | None) -> float:
+    x = x if lo is None else max(x, 1 - lo)
+    return x if hi is None else min(x, 1 + hi)
+
+
+def ppo_token(lp, old, a, lo, hi, c):
+    """-min(rA, clip(r)A) (+ dual clip) and its derivative w.r.t. lp."""
     r = math.exp(lp - old)
-    rc = r if lo is None else max(r, 1 - lo)
-    rc = rc if hi is None else min(rc, 1 + hi)
-    obj = min(r * a, rc * a)
-    if c is not None and a < 0:
-        obj = max(obj, c * a)
-    return -obj
+    unclipped, clipped = r * a, clip(r, lo, hi) * a
+    obj, grad = (unclipped, -r * a) if unclipped <= clipped else (clipped, 0.0)
+    if c is not None and a < 0 and obj < c * a:
+        obj, grad = c * a, 0.0
+    return -obj, grad
 
 
-def ref_cispo(lp: float, old: float, a: float, lo: float | None, hi: float | None) -> float:
-    r = math.exp(lp - old)
-    w = r if lo is None else max(r, 1 - lo)
-    w = w if hi is None else min(w, 1 + hi)
-    return -w * a * lp  # w is a constant (stop-gradient)
+def cispo_token(lp, old, a, lo, hi):
+    w = clip(math.exp(lp - old), lo, hi)  # stop-gradient weight
+    return -w * a * lp, -w * a
 
 
-def elementwise(fn, logp, old, adv):
-    b, t = logp.shape
-    a2 = adv if adv.dim() == 2 else adv[:, None].expand(b, t)
-    return [[fn(logp[i, j].item(), old[i, j].item(), a2[i, j].item()) for j in range(t)] for i in range(b)]
+def reinforce_token(lp, old, a):
+    return -a * lp, -a
 
 
-def numeric_grad(fn, logp, old, adv, h=1e-6):
-    """Central differences of each token's reference loss w.r.t. its own logp."""
-    b, t = logp.shape
-    a2 = adv if adv.dim() == 2 else adv[:, None].expand(b, t)
-    out = torch.zeros(b, t, dtype=torch.float64)
-    for i in range(b):
-        for j in range(t):
-            lp, o, a = logp[i, j].item(), old[i, j].item(), a2[i, j].item()
-            out[i, j] = (fn(lp + h, o, a) - fn(lp - h, o, a)) / (2 * h)
-    return out
-
-
-CASES = [
-    (
-        "ppo_clip",
-        {"clip_low": 0.2, "clip_high": 0.2},
-        lambda lp, o, a: ref_ppo_clip(lp, o, a, 0.2, 0.2, None),
-    ),
-    (
-        "ppo_clip",
-        {"clip_low": 0.2, "clip_high": 0.28},
-        lambda lp, o, a: ref_ppo_clip(lp, o, a, 0.2, 0.28, None),
-    ),
-    (
-        "ppo_clip",
-        {"clip_low": None, "clip_high": 0.3},
-        lambda lp, o, a: ref_ppo_clip(lp, o, a, None, 0.3, None),
-    ),
+TOKEN_CASES = [
+    ("ppo_clip", {"clip_low": 0.2, "clip_high": 0.2}, lambda *x: ppo_token(*x, 0.2, 0.2, None)),
+    ("ppo_clip", {"clip_low": 0.2, "clip_high": 0.28}, lambda *x: ppo_token(*x, 0.2, 0.28, None)),
+    ("ppo_clip", {"clip_low": None, "clip_high": 0.3}, lambda *x: ppo_token(*x, None, 0.3, None)),
     (
         "ppo_clip",
         {"clip_low": 0.2, "clip_high": 0.2, "clip_ratio_c": 1.5},
-        lambda lp, o, a: ref_ppo_clip(lp, o, a, 0.2, 0.2, 1.5),
+        lambda *x: ppo_token(*x, 0.2, 0.2, 1.5),
     ),
-    ("cispo", {"clip_low": None, "clip_high": 0.5}, lambda lp, o, a: ref_cispo(lp, o, a, None, 0.5)),
-    ("cispo", {"clip_low": 0.1, "clip_high": 0.2}, lambda lp, o, a: ref_cispo(lp, o, a, 0.1, 0.2)),
-    ("reinforce", {}, lambda lp, o, a: -a * lp),
+    ("cispo", {"clip_low": None, "clip_high": 0.5}, lambda *x: cispo_token(*x, None, 0.5)),
+    ("cispo", {"clip_low": 0.1, "clip_high": 0.2}, lambda *x: cispo_token(*x, 0.1, 0.2)),
+    ("reinforce", {}, reinforce_token),
 ]
 
 
-@pytest.mark.parametrize(("name", "kwargs", "ref"), CASES)
+@pytest.mark.parametrize(("name", "kwargs", "ref"), TOKEN_CASES)
 @pytest.mark.parametrize("per_token_adv", [False, True])
-def test_objective_value_and_gradient_match_paper_formula(name, kwargs, ref, per_token_adv):
+def test_token_objective_value_and_gradient(name, kwargs, ref, per_token_adv):
     logp, old, adv, mask = random_inputs(
         seed=sum(map(ord, name)) + 7 * per_token_adv, per_token_adv=per_token_adv
     )
     loss, metrics = get_policy_loss(name)(logp, old, adv, mask, **kwargs)
-    expected = torch.tensor(elementwise(ref, logp, old, adv), dtype=torch.float64)
-    torch.testing.assert_close(loss.detach(), expected, rtol=0, atol=1e-10)
+    a2 = adv if adv.dim() == 2 else adv[:, None].expand_as(logp)
+    value = torch.zeros_like(old)
+    grad_ref = torch.zeros_like(old)
+    for i in range(logp.shape[0]):
+        for j in range(logp.shape[1]):
+            v, g = ref(logp[i, j].item(), old[i, j].item(), a2[i, j].item())
+            value[i, j], grad_ref[i, j] = v, g * float(mask[i, j])
+    torch.testing.assert_close(loss.detach(), value, rtol=0, atol=1e-10)
     (grad,) = torch.autograd.grad((loss * mask).sum(), logp)
-    if name == "cispo":  # the weight is detached: d/dlogp = -w * A exactly
-        r = torch.exp(logp.detach() - old)
-        w = r.clamp(None if kwargs["clip_low"] is None else 1 - kwargs["clip_low"], 1 + kwargs["clip_high"])
-        a2 = adv if adv.dim() == 2 else adv[:, None].expand_as(logp)
-        expected_grad = -w * a2 * mask
-    else:
-        expected_grad = numeric_grad(ref, logp.detach(), old, adv) * mask
-    torch.testing.assert_close(grad, expected_grad, rtol=0, atol=1e-8 if name != "cispo" else 1e-10)
+    torch.testing.assert_close(grad, grad_ref, rtol=0, atol=1e-10)
     for key in ("clipfrac", "ratio_mean", "ratio_max"):
         assert key in metrics and not metrics[key].requires_grad
+
+
+def gspo_reference(logp, old, adv, mask, turn_ids, lo, hi, pooling):
+    """J = 1/B sum_i 1/|y_i| sum_{k} |turn k| * -min(s_ik A, clip(s_ik) A) and dJ/dlogp, element-wise.
+
+    Without turn_ids the whole sequence is one turn (GSPO eq. 5, s_i = geometric-mean ratio)."""
+    b, t = logp.shape
+    total, grad = 0.0, torch.zeros(b, t, dtype=torch.float64)
+    for i in range(b):
+        tokens = [j for j in range(t) if mask[i, j]]
+        turns: dict[int, list[int]] = {}
+        for j in tokens:
+            turns.setdefault(0 if turn_ids is None else int(turn_ids[i, j]), []).append(j)
+        a = float(adv[i])
+        for members in turns.values():
+            logr = sum(logp[i, j].item() - old[i, j].item() for j in members)
+            s = math.exp(logr / len(members) if pooling == "mean" else logr)
+            obj, active = (s * a, True) if s * a <= clip(s, lo, hi) * a else (clip(s, lo, hi) * a, False)
+            total += -obj * len(members) / len(tokens) / b
+            if active:
+                d_pool = 1 / len(members) if pooling == "mean" else 1.0
+                for j in members:
+                    grad[i, j] = -a * s * d_pool * len(members) / len(tokens) / b
+    return total, grad
+
+
+@pytest.mark.parametrize("pooling", ["mean", "sum"])
+@pytest.mark.parametrize("per_turn", [False, True])
+@pytest.mark.parametrize(("lo", "hi"), [(3e-4, 4e-4), (0.2, 0.3)])
+def test_gspo_value_and_gradient(pooling, per_turn, lo, hi):
+    logp, old, adv, mask = random_inputs(seed=11 + per_turn, b=5, t=10)
+    with torch.no_grad():  # ratios near 1 so that some sequences fall inside the clip range
+        old.copy_(logp.detach() + (old - logp.detach()) * 0.02)
+    turn_ids = None
+    if per_turn:
+        turn_ids = torch.where(mask, torch.arange(10)[None, :].expand(5, 10) // 4, torch.full((5, 10), -1))
+    kwargs = {"clip_low": lo, "clip_high": hi, "is_pooling": pooling, "turn_ids": turn_ids}
+    loss, metrics = get_policy_loss("gspo")(logp, old, adv, mask, **kwargs)
+    j = aggregate(loss, mask, "seq_mean_token_mean")
+    expected, expected_grad = gspo_reference(logp, old, adv, mask, turn_ids, lo, hi, pooling)
+    assert j.item() == pytest.approx(expected, abs=1e-10)
+    (grad,) = torch.autograd.grad(j, logp)
+    torch.testing.assert_close(grad, expected_grad, rtol=0, atol=1e-10)
+    assert 0 <= metrics["clipfrac"].item() <= 1
+
+
+def test_gspo_on_policy_equals_sequence_mean_reinforce_gradient():
+    logp, _, adv, mask = random_inputs(seed=5)
+    old = logp.detach().clone()
+    g1 = torch.autograd.grad(
+        aggregate(get_policy_loss("gspo")(logp, old, adv, mask)[0], mask, "seq_mean_token_mean"), logp
+    )
+    g2 = torch.autograd.grad(
+        aggregate(get_policy_loss("reinforce")(logp, old, adv, mask)[0], mask, "seq_mean_token_mean"), logp
+    )
+    torch.testing.assert_close(g1[0], g2[0], rtol=0, atol=1e-12)
 
 
 def test_ppo_clipfrac_counts_tokens_whose_gradient_is_clipped():
@@ -122,8 +154,8 @@ def test_ppo_clipfrac_counts_tokens_whose_gradient_is_clipped():
 
 
 def test_registry_lists_names_and_rejects_duplicates():
-    assert {"ppo_clip", "cispo", "reinforce"} <= set(POLICY_LOSSES)
-    with pytest.raises(KeyError, match=r"valid names: .*cispo.*ppo_clip"):
+    assert {"ppo_clip", "cispo", "gspo", "reinforce"} == set(POLICY_LOSSES)
+    with pytest.raises(KeyError, match=r"valid names: cispo, gspo, ppo_clip, reinforce"):
         get_policy_loss("ppo_clipp")
     with pytest.raises(ValueError, match="already registered"):
         POLICY_LOSSES.register("cispo")(lambda *a: None)
