@@ -20,8 +20,11 @@ $(VENV)/.installed: pyproject.toml | $(PY)
 	$(PIP) install -q -e .
 	touch $@
 
+# liger-kernel without its Triton dependency: its chunked losses are plain PyTorch, so the tests
+# check our loss against Liger's on the CPU (GPU users install the `liger` extra instead).
 $(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml
 	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q --no-deps "liger-kernel==0.8.5"
 	touch $@
 
 install: $(VENV)/.installed

@@ -72,7 +72,7 @@ class GRPOConfig:
     kl_estimator: str = "k3"
     kl_clamp: float | None = 10.0  # per-token clamp
     kl_mode: str = "loss"  # loss | reward (subtracted from the return) | advantage (per-token shaping)
-    kl_importance_weighted: bool = False  # weight the KL term by the ratio (unbiased off-policy)
+    kl_importance_weighted: bool = False  # weight the KL term by the ratio pi/pi_old: unbiased KL gradient
     # Off-policy corrections (rollout engine vs trainer).
     old_logprobs_source: str = "trainer"  # trainer (recompute) | rollout (engine's sampling log-probs)
     tis_cap: float | None = 2.0  # truncated importance sampling cap; null disables
@@ -98,6 +98,7 @@ class GRPOConfig:
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     grad_clip: float | None = 1.0
     chunk_rows: int | None = None  # log-prob tile rows; None: auto (~256 MB fp32 logits)
+    use_liger_loss: bool = False  # Liger's fused linear GRPO loss on GPU, where it covers the objective
 
 
 @dataclass
@@ -118,6 +119,9 @@ class EnvConfig:
     apply_chat_template: bool = True
     max_turns: int = 1
     max_model_len: int = 512
+    on_reward_error: str = (
+        "raise"  # raise (show prompt and completion) | zero (score 0, count env/reward_errors)
+    )
     train_size: int | None = None  # rows per split, for envs without num_rows()
     eval_size: int | None = None
 
@@ -164,7 +168,8 @@ class EvalConfig:
     before_training: bool = True
     at_end: bool = True
     greedy: bool = True
-    sampled: bool = True  # one sample per problem at the training temperature
+    sampled: bool = True  # samples at the training temperature
+    num_samples: int = 1  # sampled completions per problem; > 1 also logs eval/pass@k for k <= num_samples
     batch_size: int = 200  # prompts per validation batch
 
 

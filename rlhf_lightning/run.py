@@ -123,6 +123,7 @@ def build(cfg: DictConfig, output_dir: Path) -> tuple[L.LightningModule, L.Light
         ChatFormatter(tokenizer, e.system_prompt, e.apply_chat_template),
         max_turns=e.max_turns,
         max_model_len=e.max_model_len,
+        on_reward_error=e.on_reward_error,
     )
     model = load_model(
         m.path,
@@ -154,6 +155,7 @@ def build(cfg: DictConfig, output_dir: Path) -> tuple[L.LightningModule, L.Light
         hp,
         eval_greedy=cfg.eval.greedy,
         eval_sampled=cfg.eval.sampled,
+        eval_num_samples=cfg.eval.num_samples,
         num_samples_to_keep=cfg.samples.num,
         num_train_rows=train_rows,
     )

@@ -258,6 +258,10 @@ def validate(cfg: DictConfig) -> None:
     e = cfg.env
     check(e.max_turns >= 1, "env.max_turns", e.max_turns, "at least 1")
     check(
+        e.on_reward_error in ("raise", "zero"), "env.on_reward_error", e.on_reward_error, "one of raise, zero"
+    )
+    check(cfg.eval.num_samples >= 1, "eval.num_samples", cfg.eval.num_samples, "at least 1")
+    check(
         e.max_model_len > cfg.rollout.max_new_tokens,
         "env.max_model_len",
         e.max_model_len,

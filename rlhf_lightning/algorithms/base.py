@@ -22,6 +22,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from rlhf_lightning.algorithms.common import MetricAccumulator, Metrics, adamw_with_schedule
 from rlhf_lightning.algorithms.evaluation import RolloutEvaluation
+from rlhf_lightning.algorithms.liger_path import LigerPath
 from rlhf_lightning.envs.harness import RolloutHarness, RolloutResult
 from rlhf_lightning.envs.trajectory import TrajectoryBatch
 from rlhf_lightning.losses import aggregate, kl
@@ -41,7 +42,7 @@ def _rows(x: torch.Tensor | None, index: torch.Tensor, width: int) -> torch.Tens
     return None if x is None else x[index][:, :width]
 
 
-class RolloutModule(RolloutEvaluation):
+class RolloutModule(LigerPath, RolloutEvaluation):
     """The rollout-algorithm skeleton (manual optimization).
 
     Args:
@@ -66,6 +67,7 @@ class RolloutModule(RolloutEvaluation):
         eval_sampled: bool = True,
         num_samples_to_keep: int = 4,
         num_train_rows: int | None = None,
+        eval_num_samples: int = 1,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -76,13 +78,18 @@ class RolloutModule(RolloutEvaluation):
         self.engine = engine
         self.sampling = sampling
         self.hp = hp
-        self.eval_greedy, self.eval_sampled = eval_greedy, eval_sampled
+        self.eval_greedy, self.eval_sampled, self.eval_num_samples = (
+            eval_greedy,
+            eval_sampled,
+            eval_num_samples,
+        )
         self.num_samples_to_keep = num_samples_to_keep
         self.num_train_rows = num_train_rows
         self.last_samples: list[dict[str, Any]] = []
         self.last_eval_step = -1
         self._eval_outputs = {}
         self._warned_gap_at = -(10**9)
+        self.use_liger = False
 
     # ---------------------------------------------------------------- hooks for subclasses
     def compute_advantages(self, traj: TrajectoryBatch, returns: torch.Tensor) -> torch.Tensor:
@@ -311,6 +318,10 @@ class RolloutModule(RolloutEvaluation):
         sub = traj.select(index)
         width = sub.action_mask.shape[1]
         mask = loss_mask[index][:, :width]
+        if self.use_liger:
+            return self.liger_micro_step(
+                sub, adv[index], mask, _rows(old_logp, index, width), _rows(ref_logp, index, width), norm
+            )
         logp = self.token_logprobs(sub)
         old = _rows(old_logp, index, width)
         trainer_old = logp.detach() if old is None else old
@@ -325,8 +336,9 @@ class RolloutModule(RolloutEvaluation):
         if ref_logp is not None and hp.kl_mode == "loss":
             kl_t = kl(logp, ref_logp[index][:, :width], hp.kl_estimator)
             clamped = kl_t.clamp(-hp.kl_clamp, hp.kl_clamp) if hp.kl_clamp is not None else kl_t
-            if hp.kl_importance_weighted:  # unbiased under the behaviour policy's samples
-                clamped = clamped * torch.exp(logp - trainer_old).detach()
+            if hp.kl_importance_weighted:
+                # E_old[r * k3] is KL(pi || ref) itself: value and gradient unbiased (DeepSeek-V3.2, sec. 3.1)
+                clamped = clamped * torch.exp(logp - trainer_old)
             per_token = per_token + hp.beta * clamped
             metrics["actor/kl"] = masked_mean(kl_t.detach(), mask)
             if hp.kl_clamp is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, cast
 
 import torch
@@ -20,15 +21,32 @@ def episode_success(traj: Any) -> float:
     return float(sum(traj.rewards) > 0)
 
 
-class RolloutEvaluation(ModuleMixin):
-    """Validation loop: ``eval/accuracy_{greedy,sampled}`` and ``eval/return_{greedy,sampled}``.
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct (Chen et al. 2021, arXiv 2107.03374, eq. 1):
+    ``1 - C(n - c, k) / C(n, k)``."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
-    Expects ``self.sampling``, ``self.eval_greedy``, ``self.eval_sampled`` and ``self.rollout``.
+
+def pass_ks(n: int) -> list[int]:
+    """k = 1, 2, 4, ... up to n, and n itself."""
+    ks = [k for k in (2**i for i in range(n.bit_length())) if k <= n]
+    return sorted({*ks, n})
+
+
+class RolloutEvaluation(ModuleMixin):
+    """Validation loop: ``eval/accuracy_{greedy,sampled}``, ``eval/return_{greedy,sampled}`` and,
+    with ``eval_num_samples`` n > 1 sampled completions per problem, ``eval/pass@k`` for k <= n.
+
+    Expects ``self.sampling``, ``self.eval_greedy``, ``self.eval_sampled``,
+    ``self.eval_num_samples`` and ``self.rollout``.
     """
 
     sampling: SamplingParams
     eval_greedy: bool
     eval_sampled: bool
+    eval_num_samples: int = 1
     last_eval_step: int
     _eval_outputs: dict[str, list[torch.Tensor]]
 
@@ -48,10 +66,16 @@ class RolloutEvaluation(ModuleMixin):
         if self.eval_sampled:
             modes.append(("sampled", self.sampling))
         for name, params in modes:
-            result = self.rollout(rows, params, group_size=1, evaluation=True)
+            n = self.eval_num_samples if name == "sampled" else 1
+            result = self.rollout(rows, params, group_size=n, evaluation=True)
             success = torch.tensor([episode_success(t) for t in result.trajectories], dtype=torch.float32)
             self._eval_outputs.setdefault(f"eval/accuracy_{name}", []).append(success)
             self._eval_outputs.setdefault(f"eval/return_{name}", []).append(result.batch.returns.float())
+            if n > 1:
+                correct = success.view(-1, n).sum(-1).long().tolist()  # per problem
+                for k in pass_ks(n):
+                    values = torch.tensor([pass_at_k(n, c, k) for c in correct], dtype=torch.float32)
+                    self._eval_outputs.setdefault(f"eval/pass@{k}", []).append(values)
 
     def on_validation_epoch_end(self) -> None:
         metrics = {}

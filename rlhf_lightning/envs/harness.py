@@ -8,6 +8,7 @@ never decoded and re-encoded: the decoded text only goes to the env.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -18,6 +19,8 @@ from transformers import PreTrainedTokenizerBase
 from rlhf_lightning.envs.base import Observation, TextEnv
 from rlhf_lightning.envs.trajectory import Trajectory, TrajectoryBatch, collate
 from rlhf_lightning.rollout.engine import Completion, RolloutEngine, SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 class ChatFormatter:
@@ -122,6 +125,9 @@ class RolloutHarness:
         formatter: renders observations into prompt ids.
         max_turns: episode length cap.
         max_model_len: a trajectory stops (``truncated``) when its next turn could exceed it.
+        on_reward_error: ``raise`` (default) re-raises an exception from ``env.step`` with the
+            prompt and completion shown; ``zero`` scores that reply 0, ends the episode and
+            counts it in ``env/reward_errors``.
     """
 
     def __init__(
@@ -131,7 +137,11 @@ class RolloutHarness:
         formatter: ChatFormatter,
         max_turns: int = 1,
         max_model_len: int = 512,
+        on_reward_error: str = "raise",
     ) -> None:
+        if on_reward_error not in ("raise", "zero"):
+            raise ValueError(f"on_reward_error must be raise or zero, got {on_reward_error!r}")
+        self.on_reward_error = on_reward_error
         self.env_factory = env_factory
         self.tokenizer = tokenizer
         self.formatter = formatter
@@ -147,11 +157,17 @@ class RolloutHarness:
         group_size: int = 1,
         evaluation: bool = False,
     ) -> RolloutResult:
-        """``group_size`` episodes for each task row; trajectories are row-major (group-contiguous)."""
+        """``group_size`` episodes for each task row; trajectories are row-major (group-contiguous).
+
+        A row whose prompt leaves no room for ``params.max_new_tokens`` within ``max_model_len``
+        is dropped (with its group) and counted, never cut.
+        """
         envs: list[TextEnv] = []
         trajs: list[Trajectory] = []
         rendered: dict[str, tuple[str, list[int]]] = {}  # group members usually share their prompt
-        for g, row in enumerate(rows):
+        dropped = 0
+        for row in rows:
+            group: list[tuple[TextEnv, str, list[int]]] = []
             for _ in range(group_size):
                 env = self.env_factory()
                 obs, _info = env.reset(seed=row, row_index=row, evaluation=evaluation)
@@ -159,7 +175,12 @@ class RolloutHarness:
                 if key not in rendered:
                     text = self.formatter.prompt_text(obs)
                     rendered[key] = (text, self.tokenizer(text, add_special_tokens=False).input_ids)
-                text, ids = rendered[key]
+                group.append((env, *rendered[key]))
+            if any(len(ids) + params.max_new_tokens > self.max_model_len for _, _, ids in group):
+                dropped += 1
+                continue
+            g = len(trajs) // group_size
+            for env, text, ids in group:
                 envs.append(env)
                 trajs.append(
                     Trajectory(
@@ -172,46 +193,76 @@ class RolloutHarness:
                         prompt_text=text,
                     )
                 )
+        if dropped:
+            log.warning(
+                "dropped %d of %d prompts: longer than env.max_model_len=%d minus rollout.max_new_tokens=%d",
+                dropped,
+                len(rows),
+                self.max_model_len,
+                params.max_new_tokens,
+            )
+        if not trajs:
+            raise ValueError(
+                f"every prompt of this batch is longer than env.max_model_len={self.max_model_len} minus "
+                f"rollout.max_new_tokens={params.max_new_tokens}; raise env.max_model_len"
+            )
+        errors = 0
         live = list(range(len(trajs)))
         for turn in range(self.max_turns):
-            fits = [i for i in live if len(trajs[i].token_ids) + params.max_new_tokens <= self.max_model_len]
-            for i in set(live) - set(fits):
-                trajs[i].truncated = True
-            live = fits
-            if not live:
-                break
             completions = engine.generate([trajs[i].token_ids for i in live], replace(params, n=1))
             still = []
             for i, comp in zip(live, completions):
-                if self._step(envs[i], trajs[i], comp, turn):
+                going, failed = self._step(envs[i], trajs[i], comp, turn, params.max_new_tokens)
+                errors += failed
+                if going:
                     still.append(i)
             live = still
-        for t in trajs:
-            if not t.rewards:  # stopped before its first turn
-                t.rewards.append(0.0)
+            if not live:
+                break
+        for i in live:  # still going after max_turns: cut by the turn limit
+            trajs[i].truncated = True
         batch = collate(trajs, self.tokenizer.pad_token_id)
-        return RolloutResult(batch, trajs, self._metrics(trajs))
+        metrics = self._metrics(trajs)
+        metrics["rollout/dropped_long_prompts"] = float(dropped)
+        metrics["env/reward_errors"] = float(errors)
+        return RolloutResult(batch, trajs, metrics)
 
-    def _step(self, env: TextEnv, traj: Trajectory, comp: Completion, turn: int) -> bool:
-        """Append one generated turn and the env's reply; True while the episode goes on."""
+    def _step(
+        self, env: TextEnv, traj: Trajectory, comp: Completion, turn: int, max_new_tokens: int
+    ) -> tuple[bool, bool]:
+        """Append one generated turn and the env's reply. Returns (episode goes on, the env raised)."""
         traj.token_ids += comp.token_ids
         traj.action_turn += [turn] * len(comp.token_ids)
         traj.sampling_logps += comp.logprobs
         text = cast(str, self.tokenizer.decode(comp.token_ids, skip_special_tokens=True))
-        traj.completion_text += text
-        obs, reward, terminated, truncated, info = _check_step_output(env, env.step(text))
+        traj.completion_text += text if turn == 0 else f"\n[turn {turn}] {text}"
+        failed = False
+        try:
+            out = env.step(text)
+        except Exception as err:
+            if self.on_reward_error == "raise":
+                raise RuntimeError(
+                    f"{type(env).__name__}.step raised {type(err).__name__}: {err}\n"
+                    f"  prompt: {traj.prompt_text!r}\n  completion: {text!r}\n"
+                    "Set env.on_reward_error=zero to score such replies 0 (counted in env/reward_errors)."
+                ) from err
+            out, failed = ("", 0.0, True, False, {}), True
+        obs, reward, terminated, truncated, info = _check_step_output(env, out)
         traj.rewards.append(reward)
         traj.infos.append(info)
         if comp.finish_reason == "length" and not terminated:
-            truncated = True
+            truncated = True  # the reply was cut: no well-formed next turn can follow
         traj.truncated = traj.truncated or truncated
         if terminated or truncated:
-            return False
+            return False, failed
         ids = self.formatter.observation_ids(obs)
+        if len(traj.token_ids) + len(ids) + max_new_tokens > self.max_model_len:
+            traj.truncated = True  # the next turn would not fit
+            return False, failed
         traj.token_ids += ids
         traj.action_turn += [-1] * len(ids)
         traj.sampling_logps += [0.0] * len(ids)
-        return True
+        return True, failed
 
     @staticmethod
     def _metrics(trajs: list[Trajectory]) -> dict[str, float]:

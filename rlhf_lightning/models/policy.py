@@ -138,6 +138,44 @@ class Policy(nn.Module):
                 "full fine-tuning without a reference copy: build the policy with need_reference=True"
             )
 
+    def action_hidden(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        action_mask: torch.Tensor,
+        *,
+        reference: bool = False,
+        prompt_lens: torch.Tensor | None = None,
+        prefix_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, Any]:
+        """Final hidden states at the action positions (row-major) and the lm head.
+
+        Runs the transformer body only. Given ``prompt_lens`` and ``prefix_ids``, rows that share
+        a prompt run it once (:func:`shared_prefix_hidden`).
+
+        Args:
+            input_ids, attention_mask: right-padded. Shape: (B, L)
+            action_mask: True where token t+1 is an action. Shape: (B, L-1)
+            prompt_lens, prefix_ids: Shape: (B,), as in ``TrajectoryBatch``.
+
+        Returns:
+            (hidden rows of shape (N, H), the output-embedding module holding ``weight``/``bias``)
+        """
+        shared = None
+        if self.share_prompt and prompt_lens is not None and prefix_ids is not None:
+            shared = (prompt_lens, prefix_ids) if _has_shared_prompts(prompt_lens, prefix_ids) else None
+        ctx = self.reference_mode() if reference else nullcontext(self.causal_lm)
+        with ctx as lm:
+            body = lm.get_decoder()
+            if shared is not None:
+                rows = shared_prefix_hidden(body, input_ids, attention_mask, action_mask, *shared)
+            else:
+                hidden = body(
+                    input_ids=input_ids, attention_mask=attention_mask
+                ).last_hidden_state  # (B, L, H)
+                rows = hidden[:, :-1][action_mask]  # (N, H)
+            return rows, lm.get_output_embeddings()
+
     def token_logprobs(
         self,
         input_ids: torch.Tensor,
@@ -151,49 +189,32 @@ class Policy(nn.Module):
         prompt_lens: torch.Tensor | None = None,
         prefix_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs (and entropies) of the action tokens; 0 elsewhere.
+        """Log-probs (and entropies) of the action tokens, 0 elsewhere, through :func:`chunked_logprobs`:
+        no (B, L, V) logits tensor is ever built.
 
-        Runs the transformer body only and computes log-probs for the action positions alone,
-        through :func:`chunked_logprobs`. Given ``prompt_lens`` and ``prefix_ids``, rows that
-        share a prompt run it once.
-
-        Args:
-            input_ids, attention_mask: right-padded. Shape: (B, L)
-            action_mask: True where token t+1 is an action. Shape: (B, L-1)
-            prompt_lens, prefix_ids: Shape: (B,), as in ``TrajectoryBatch``.
+        Args: as :meth:`action_hidden`, plus ``temperature`` and ``chunk_rows`` for the op.
 
         Returns:
             (logp, entropy), each Shape: (B, L-1); entropy is None unless requested.
         """
-        ctx = self.reference_mode() if reference else nullcontext(self.causal_lm)
-        shared = None
-        if (
-            self.share_prompt
-            and prompt_lens is not None
-            and prefix_ids is not None
-            and _has_shared_prompts(prompt_lens, prefix_ids)
-        ):
-            shared = (prompt_lens, prefix_ids)
-        with ctx as lm:
-            body = lm.get_decoder()
-            if shared is not None:
-                rows = shared_prefix_hidden(body, input_ids, attention_mask, action_mask, *shared)
-            else:
-                hidden = body(
-                    input_ids=input_ids, attention_mask=attention_mask
-                ).last_hidden_state  # (B, L, H)
-                rows = hidden[:, :-1][action_mask]  # (N, H)
-            head = lm.get_output_embeddings()
-            targets = input_ids[:, 1:][action_mask]  # (N,)
-            out = chunked_logprobs(
-                rows,
-                head.weight,
-                targets,
-                bias=head.bias,
-                temperature=temperature,
-                chunk_rows=chunk_rows,
-                return_entropy=return_entropy,
-            )
+        rows, head = self.action_hidden(
+            input_ids,
+            attention_mask,
+            action_mask,
+            reference=reference,
+            prompt_lens=prompt_lens,
+            prefix_ids=prefix_ids,
+        )
+        targets = input_ids[:, 1:][action_mask]  # (N,)
+        out = chunked_logprobs(
+            rows,
+            head.weight,
+            targets,
+            bias=head.bias,
+            temperature=temperature,
+            chunk_rows=chunk_rows,
+            return_entropy=return_entropy,
+        )
         logp_rows, ent_rows = out if isinstance(out, tuple) else (out, None)
         logp = torch.zeros(action_mask.shape, dtype=logp_rows.dtype, device=logp_rows.device)
         logp = logp.masked_scatter(action_mask, logp_rows)

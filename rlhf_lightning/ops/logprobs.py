@@ -7,6 +7,8 @@ them. Backward recomputes each tile's logits, so nothing of size V is saved for 
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import torch
 
 WORKSPACE_BYTES = 256 * 2**20  # auto tile: about 256 MB of fp32 logits
@@ -67,24 +69,33 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad_b = torch.zeros_like(bias, dtype=acc) if need_b else None
         for s in range(0, hidden.shape[0], rows):
             h = hidden[s : s + rows]
-            z = _tile_logits(h, weight, bias, t, ctx.fp32)  # (c, V), recomputed
-            logq = z - lse[s : s + rows, None]
-            p = torch.exp(logq)
-            g = torch.zeros_like(z)
-            if grad_logp is not None:
-                # d logp / dz = onehot(target) - p
-                g_lp = grad_logp[s : s + rows, None].to(z.dtype)
-                g -= g_lp * p
-                g.scatter_add_(-1, targets[s : s + rows, None], g_lp)
+            # Recompute the tile's logits, then turn them into the gradient in place: one (c, V)
+            # buffer (two with an entropy gradient).
+            g = _tile_logits(h, weight, bias, t, ctx.fp32).sub_(lse[s : s + rows, None])  # log q
+            ent_term = None
             if grad_entropy is not None:
-                # d H / dz_j = -p_j (log p_j + H)
-                g -= grad_entropy[s : s + rows, None].to(z.dtype) * p * (logq + entropy[s : s + rows, None])
+                # d H / dz_j = -p_j (log p_j + H): keep (log q + H) before q overwrites it
+                ent_term = (g + entropy[s : s + rows, None]).mul_(
+                    grad_entropy[s : s + rows, None].to(g.dtype)
+                )
+            g.exp_()  # q = softmax(z)
+            if ent_term is not None:
+                ent_term.mul_(g)  # g_H * q * (log q + H)
+            if grad_logp is not None:
+                # d logp / dz = onehot(target) - q
+                g_lp = grad_logp[s : s + rows, None].to(g.dtype)
+                g.mul_(-g_lp).scatter_add_(-1, targets[s : s + rows, None], g_lp)
+            else:
+                g.zero_()
+            if ent_term is not None:
+                g.sub_(ent_term)
+                del ent_term
             if t != 1.0:
-                g = g / t
+                g.div_(t)
             if need_h:
                 grad_h[s : s + rows] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
             if need_w:
-                grad_w += g.t() @ h.to(g.dtype)
+                grad_w.addmm_(g.t(), h.to(g.dtype))
             if need_b:
                 grad_b += g.sum(0)
         if grad_w is not None:
@@ -92,6 +103,46 @@ class _ChunkedLogprobs(torch.autograd.Function):
         if grad_b is not None:
             grad_b = grad_b.to(bias.dtype)
         return grad_h, grad_w, grad_b, None, None, None, None, None
+
+
+@overload
+def chunked_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target_ids: torch.Tensor,
+    bias: torch.Tensor | None = ...,
+    temperature: float = ...,
+    chunk_rows: int | None = ...,
+    cast_to_fp32: bool = ...,
+    return_entropy: Literal[False] = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def chunked_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target_ids: torch.Tensor,
+    bias: torch.Tensor | None = ...,
+    temperature: float = ...,
+    chunk_rows: int | None = ...,
+    cast_to_fp32: bool = ...,
+    *,
+    return_entropy: Literal[True],
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def chunked_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target_ids: torch.Tensor,
+    bias: torch.Tensor | None = ...,
+    temperature: float = ...,
+    chunk_rows: int | None = ...,
+    cast_to_fp32: bool = ...,
+    return_entropy: bool = ...,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def chunked_logprobs(

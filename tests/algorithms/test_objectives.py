@@ -123,3 +123,22 @@ def test_offpolicy_masks_and_overlong_penalty_are_logged(fast_cfg, tmp_path):
     assert m["is/masked_token_frac"].item() == 0  # the HF engine is the trainer
     assert m["is/masked_seq_frac"].item() == 0
     assert "rollout/overlong_penalty" in m and "rollout/masked_truncated_frac" in m
+
+
+def test_use_liger_loss_falls_back_on_cpu_with_one_warning(fast_cfg, tmp_path, caplog):
+    with caplog.at_level("WARNING"):
+        module, _ = fit_steps(fast_cfg("algo.use_liger_loss=true"), tmp_path, steps=2)
+    assert module.use_liger is False
+    messages = [r.getMessage() for r in caplog.records if "use_liger_loss" in r.getMessage()]
+    assert len(messages) == 1 and "need a GPU" in messages[0]
+
+
+def test_pass_at_k_estimator():
+    from math import comb
+
+    from rlhf_lightning.algorithms.evaluation import pass_at_k, pass_ks
+
+    assert pass_ks(8) == [1, 2, 4, 8] and pass_ks(6) == [1, 2, 4, 6] and pass_ks(1) == [1]
+    for n, c, k in [(8, 2, 1), (8, 2, 4), (8, 0, 3), (5, 5, 2), (10, 3, 8)]:
+        expected = 1.0 - (comb(n - c, k) / comb(n, k) if n - c >= k else 0.0)
+        assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)

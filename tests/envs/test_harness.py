@@ -56,15 +56,6 @@ def test_single_turn_batch_is_token_exact(tiny_tokenizer):
     assert b.rewards.shape == (4, 1)
 
 
-def test_prompt_too_long_is_truncated_not_cut(tiny_tokenizer):
-    tok = tiny_tokenizer
-    engine = ScriptedEngine([[tok.eos_token_id]])
-    harness = RolloutHarness(ArithmeticEnv, tok, ChatFormatter(tok), max_turns=1, max_model_len=20)
-    result = harness.rollout(engine, [0], SamplingParams(max_new_tokens=4), group_size=2)
-    assert result.batch.truncated.all() and not result.batch.action_mask.any()
-    assert engine.calls == []
-
-
 class BadEnv:
     def __init__(self, bad):
         self.bad = bad

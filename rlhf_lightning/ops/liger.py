@@ -1,0 +1,139 @@
+"""Liger's fused linear GRPO loss as an alternative path for the policy loss (GPU).
+
+Liger (``pip install 'rlhf_lightning[liger]'``) computes the lm-head logits, the objective and
+its gradients chunk by chunk in one fused pass. It covers a subset of our objectives;
+:func:`liger_unsupported` names what it does not cover, and the module falls back to our
+chunked op then. Aggregation is mapped onto Liger's ``loss_type`` and rescaled so that the
+loss is normalised over the whole accumulation window exactly like :func:`aggregate`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# our (objective, aggregation) -> Liger loss_type
+_LOSS_TYPES = {
+    ("ppo_clip", "token_mean"): "dapo",
+    ("ppo_clip", "seq_mean_token_mean"): "grpo",
+    ("ppo_clip", "seq_mean_token_sum_norm"): "dr_grpo",
+    ("cispo", "token_mean"): "cispo",
+    ("gspo", "seq_mean_token_mean"): "grpo",
+}
+
+
+def liger_available() -> bool:
+    try:
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def liger_unsupported(hp: Any) -> str | None:
+    """Why Liger's loss cannot reproduce this config exactly, or None when it can."""
+    if (hp.loss, hp.loss_agg_mode) not in _LOSS_TYPES:
+        supported = ", ".join(f"{a}+{b}" for a, b in _LOSS_TYPES)
+        return f"algo.loss={hp.loss} with algo.loss_agg_mode={hp.loss_agg_mode} (Liger covers {supported})"
+    if hp.loss == "cispo" and hp.clip_low is not None:
+        return "algo.clip_low must be null for CISPO (Liger's CISPO has no lower bound)"
+    if hp.loss == "gspo" and (hp.is_level != "sequence" or hp.is_pooling != "mean"):
+        return "GSPO with turn-level or product pooling"
+    if hp.clip_ratio_c is not None:
+        return "algo.clip_ratio_c (dual clip)"
+    if hp.beta > 0 and (hp.kl_mode != "loss" or hp.kl_estimator != "k3" or hp.kl_clamp is not None):
+        return "a KL term other than k3 in the loss without clamp (set algo.kl_clamp=null)"
+    return None
+
+
+def pack_actions(rows: torch.Tensor, action_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-major action rows (N, ...) -> left-packed (B, A, ...) and its mask (B, A), differentiably."""
+    counts = action_mask.sum(-1)
+    width = int(counts.max()) if counts.numel() else 0
+    bi, _ = action_mask.nonzero(as_tuple=True)
+    pos = (action_mask.cumsum(-1) - 1)[action_mask]
+    packed = rows.new_zeros((action_mask.shape[0], width, *rows.shape[1:])).index_put((bi, pos), rows)
+    mask = torch.arange(width, device=action_mask.device)[None, :] < counts[:, None]
+    return packed, mask
+
+
+def liger_policy_loss(
+    rows: torch.Tensor,
+    head: torch.nn.Module,
+    targets: torch.Tensor,
+    action_mask: torch.Tensor,
+    advantages: torch.Tensor,
+    old_logp: torch.Tensor | None,
+    ref_logp: torch.Tensor | None,
+    is_weights: torch.Tensor | None,
+    hp: Any,
+    *,
+    temperature: float,
+    max_len: int,
+    num_tokens: torch.Tensor,
+    num_seqs: torch.Tensor,
+    world_size: int = 1,
+    compiled: bool = True,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The micro-batch loss through Liger, normalised for the whole window like our path.
+
+    Args:
+        rows: hidden states of the action positions, row-major. Shape: (N, H)
+        head: the lm head (``weight`` (V, H), ``bias``)
+        targets: the action token ids, row-major. Shape: (N,)
+        action_mask: Shape: (B, T)
+        advantages: per sequence. Shape: (B,)
+        old_logp, ref_logp, is_weights: per token, or None. Shape: (B, T)
+        hp: the algorithm config (objective, clip bounds, beta, aggregation).
+        num_tokens, num_seqs: the window's normalisers (as passed to :func:`aggregate`).
+
+    Returns:
+        (scalar loss, metrics ``clipfrac`` and, with a KL term, ``kl``)
+    """
+    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+    loss_type = _LOSS_TYPES[(hp.loss, hp.loss_agg_mode)]
+    hidden, mask = pack_actions(rows, action_mask)
+    ids, _ = pack_actions(targets, action_mask)
+
+    def pack(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else pack_actions(x[action_mask], action_mask)[0]
+
+    fn = LigerFusedLinearGRPOLoss(
+        beta=hp.beta,
+        compiled=compiled,
+        use_ref_model=hp.beta > 0,  # with precomputed ref_per_token_logps (no second model)
+        epsilon_low=hp.clip_low if hp.clip_low is not None else 0.0,
+        epsilon_high=(1.0 + hp.clip_high)
+        if hp.loss == "cispo"
+        else hp.clip_high,  # Liger's CISPO cap is absolute
+        loss_type=loss_type,
+        max_completion_length=max_len,
+        importance_sampling_level="sequence" if hp.loss == "gspo" else "token",
+        temperature=temperature,
+        use_bias_correction_kl=hp.kl_importance_weighted,
+    )
+    b = action_mask.shape[0]
+    extra: dict[str, Any] = {}
+    if loss_type in ("dapo", "cispo"):
+        extra["num_items_in_batch"] = num_tokens * world_size  # Liger divides by the world size
+        scale = torch.ones((), device=rows.device)
+    else:  # per-sequence normalisers: Liger divides by this micro-batch's B
+        scale = b / num_seqs
+    loss, metrics = fn(
+        hidden,
+        head.weight,
+        ids,
+        mask.long(),
+        advantages,
+        bias=head.bias,
+        ref_per_token_logps=pack(ref_logp),
+        old_per_token_logps=pack(old_logp),
+        vllm_is_ratio=pack(is_weights),
+        **extra,
+    )
+    out = {"clipfrac": metrics[-1].detach()}
+    if hp.beta > 0:
+        out["kl"] = metrics[0].detach()
+    return loss * scale, out
