@@ -13,8 +13,8 @@ register_configs()
 
 @hydra.main(version_base=None, config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
-    metrics = run(cfg)
-    return metrics.get("eval/accuracy_sampled")  # the value an Optuna sweeper would optimise
+    result = run(cfg)
+    return result.metrics.get("eval/accuracy_sampled")  # the value an Optuna sweeper would optimise
 
 
 if __name__ == "__main__":

@@ -36,13 +36,37 @@ class ModelConfig:
     finetune: str = "lora"  # lora | full
     lora: LoraSettings = field(default_factory=LoraSettings)
     gradient_checkpointing: bool = False
+    adapter_path: str | None = None  # start from saved adapters (actor/, reference/, critic/): chaining
+    reference_from_checkpoint: bool = False  # load adapter_path's reference/ instead of copying the actor
     pad_token: str | None = None  # set when the tokenizer has none (e.g. its eos token)
     chat_template: str | None = None  # a Jinja template, when the tokenizer has none
 
 
 @dataclass
-class GRPOConfig:
-    """The GRPO family (GRPO, CISPO, DAPO, Dr.GRPO, GSPO are loss configs of one module)."""
+class OptimConfig:
+    """Optimiser and log-prob settings every algorithm shares."""
+
+    name: str = MISSING
+    module: str = MISSING
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    adam_eps: float = 1e-8
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    grad_clip: float | None = 1.0
+    # Examples (trajectories, pairs) per forward/backward; None: the whole (mini-)batch.
+    micro_batch_size: int | None = None
+    chunk_rows: int | None = None  # log-prob tile rows; None: auto (~256 MB fp32 logits)
+    # Reference policy: the base with adapters disabled (free), or its own frozen LoRA adapter,
+    # copied from the actor every ref_update_interval optimizer steps.
+    use_separate_reference_adapter: bool = False
+    ref_update_interval: int | None = None
+
+
+@dataclass
+class GRPOConfig(OptimConfig):
+    """The GRPO family (GRPO, CISPO, DAPO, Dr.GRPO, GSPO, RLOO, REINFORCE++): one module."""
 
     name: str = "grpo"
     module: str = "grpo"
@@ -64,41 +88,84 @@ class GRPOConfig:
     # DAPO extras (arXiv 2503.14476).
     dynamic_sampling: bool = False  # drop groups with equal rewards, refill with new prompts
     max_resample_rounds: int = 3  # refill rounds per step (0: only drop)
-    overlong_buffer: int | None = None  # soft overlong penalty over the last N tokens before max_new_tokens
+    overlong_buffer: int | None = None  # soft overlong penalty over the last N tokens
     overlong_penalty_factor: float = 1.0
     mask_truncated: bool = False  # truncated completions carry no loss
-    # KL to the reference policy (base model with adapters disabled, or a frozen copy).
+    # KL to the reference policy.
     beta: float = 0.0
     kl_estimator: str = "k3"
     kl_clamp: float | None = 10.0  # per-token clamp
     kl_mode: str = "loss"  # loss | reward (subtracted from the return) | advantage (per-token shaping)
-    kl_importance_weighted: bool = False  # weight the KL term by the ratio pi/pi_old: unbiased KL gradient
+    kl_importance_weighted: bool = False  # weight the KL term by pi/pi_old: unbiased KL gradient
     # Off-policy corrections (rollout engine vs trainer).
     old_logprobs_source: str = "trainer"  # trainer (recompute) | rollout (engine's sampling log-probs)
     tis_cap: float | None = 2.0  # truncated importance sampling cap; null disables
-    offpolicy_token_bounds: list[float] | None = None  # keep tokens whose trainer/engine ratio is inside
-    offpolicy_seq_threshold: float | None = (
-        None  # drop sequences whose mean engine-trainer log-ratio exceeds it
-    )
+    # Keep tokens whose trainer/engine ratio lies inside [low, high]; drop sequences whose mean
+    # engine-trainer log-ratio exceeds the threshold.
+    offpolicy_token_bounds: list[float] | None = None
+    offpolicy_seq_threshold: float | None = None
     # Batch geometry, in trajectories (prompts_per_step x group_size per rollout step).
     group_size: int = 8
     prompts_per_step: int = 16
     mini_batch_size: int | None = None  # per optimizer step; None: the whole rollout batch
-    micro_batch_size: int | None = None  # per forward/backward; None: the mini-batch
     update_epochs: int = 1
-    skip_zero_advantage: bool = (
-        True  # skip rows with A == 0 in forward/backward (same gradient when beta == 0)
-    )
-    # Optimisation.
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    adam_eps: float = 1e-8
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    grad_clip: float | None = 1.0
-    chunk_rows: int | None = None  # log-prob tile rows; None: auto (~256 MB fp32 logits)
+    # Skip rows whose advantage is 0 in forward/backward (the same gradient without a KL loss term).
+    skip_zero_advantage: bool = True
     use_liger_loss: bool = False  # Liger's fused linear GRPO loss on GPU, where it covers the objective
+
+
+@dataclass
+class PPOConfig(GRPOConfig):
+    """LLM-PPO: a critic adapter with a value head, turn-level GAE (each generated turn is one action)."""
+
+    name: str = "ppo"
+    module: str = "ppo"
+    advantage: str = "gae"
+    gamma: float = 1.0  # discount across turns (or tokens at token granularity)
+    gae_lambda: float = 0.95
+    advantage_granularity: str = "auto"  # turn | token | auto (token when every episode is single-turn)
+    turn_value_reduction: str = "mean"  # a turn's value from its tokens' values: mean | final_value
+    importance_sampling_level: str = "token"  # token | turn | trajectory | auto (turn when multi-turn)
+    vf_coef: float = 0.5
+    value_clip: float | None = 0.2
+    lr_critic: float | None = None  # default: lr
+    share_grad_clip: bool = True  # clip actor and critic by their combined norm (else each separately)
+    critic_warmup_steps: int = 0  # first learn steps update the critic only, on Monte-Carlo returns
+    entropy_coef: float = 0.0
+    # One backward for actor and critic losses of a micro-batch; false: two (less activation memory).
+    fuse_actor_critic_pass: bool = True
+
+
+@dataclass
+class OfflineConfig(OptimConfig):
+    """Supervised and preference training on a local file."""
+
+    data_path: str | None = None  # .jsonl / .json / .parquet; default: the shipped arithmetic sample
+    eval_data_path: str | None = None  # default: the last eval_fraction of data_path
+    eval_fraction: float = 0.1
+    prompt_key: str = "prompt"
+    batch_size: int = 64  # examples (pairs for DPO) per optimizer step
+    max_len: int = 512  # longer examples are dropped and counted
+    env_eval: bool = True  # also evaluate greedy/sampled accuracy on the env's eval split
+
+
+@dataclass
+class SFTConfig(OfflineConfig):
+    name: str = "sft"
+    module: str = "sft"
+    messages_key: str = "messages"  # chat rows; else prompt_key / completion_key
+    completion_key: str = "completion"
+
+
+@dataclass
+class DPOConfig(OfflineConfig):
+    name: str = "dpo"
+    module: str = "dpo"
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
+    beta: float = 0.1
+    loss_type: str = "sigmoid"  # sigmoid (DPO) | ipo
+    label_smoothing: float = 0.0
 
 
 @dataclass
@@ -119,9 +186,8 @@ class EnvConfig:
     apply_chat_template: bool = True
     max_turns: int = 1
     max_model_len: int = 512
-    on_reward_error: str = (
-        "raise"  # raise (show prompt and completion) | zero (score 0, count env/reward_errors)
-    )
+    # raise (show prompt and completion) | zero (score 0, count env/reward_errors)
+    on_reward_error: str = "raise"
     train_size: int | None = None  # rows per split, for envs without num_rows()
     eval_size: int | None = None
 
@@ -213,6 +279,9 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
     cs.store(group="algo", name="grpo_schema", node=GRPOConfig)
+    cs.store(group="algo", name="ppo_schema", node=PPOConfig)
+    cs.store(group="algo", name="sft_schema", node=SFTConfig)
+    cs.store(group="algo", name="dpo_schema", node=DPOConfig)
     cs.store(group="model", name="model_schema", node=ModelConfig)
     cs.store(group="env", name="env_schema", node=EnvConfig)
     cs.store(group="rollout", name="rollout_schema", node=RolloutConfig)
@@ -221,4 +290,4 @@ def register_configs() -> None:
     cs.store(group="trainer", name="trainer_schema", node=TrainerConfig)
 
 
-ALGO_SCHEMAS: dict[str, type] = {"grpo": GRPOConfig}
+ALGO_SCHEMAS: dict[str, type] = {"grpo": GRPOConfig, "ppo": PPOConfig, "sft": SFTConfig, "dpo": DPOConfig}

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import time
 import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -13,9 +15,10 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from omegaconf import DictConfig, OmegaConf
 
-from rlhf_lightning.algorithms import ALGORITHM_MODULES
+from rlhf_lightning.algorithms import OFFLINE_MODULES, ROLLOUT_MODULES
 from rlhf_lightning.callbacks import AdapterExport, SampleTable
 from rlhf_lightning.config import register_configs
+from rlhf_lightning.data.offline import OfflineDataModule
 from rlhf_lightning.data.prompts import PromptDataModule
 from rlhf_lightning.envs.factory import env_factory, split_sizes
 from rlhf_lightning.envs.harness import ChatFormatter, RolloutHarness
@@ -132,6 +135,7 @@ def build(cfg: DictConfig, output_dir: Path) -> tuple[L.LightningModule, L.Light
         revision=m.revision,
         trust_remote_code=m.trust_remote_code,
     )
+    kind = a.module
     policy = build_policy(
         model,
         finetune=m.finetune,
@@ -139,32 +143,66 @@ def build(cfg: DictConfig, output_dir: Path) -> tuple[L.LightningModule, L.Light
         lora_alpha=m.lora.alpha,
         lora_dropout=m.lora.dropout,
         lora_target_modules=m.lora.target_modules,
-        need_reference=a.beta > 0,
+        need_reference=kind == "dpo" or (kind in ROLLOUT_MODULES and a.beta > 0),
         gradient_checkpointing=m.gradient_checkpointing,
+        adapter_path=m.adapter_path,
+        reference_from_checkpoint=m.reference_from_checkpoint,
+        separate_reference=a.use_separate_reference_adapter,
+        with_critic=kind == "ppo",
     )
     engine = HFEngine(
         policy.generation_model, tokenizer.pad_token_id, [tokenizer.eos_token_id], r.max_batch_size
     )
     sampling = SamplingParams(r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
     hp = OmegaConf.to_object(a)
-    module = ALGORITHM_MODULES[a.module](
-        policy,
-        harness,
-        engine,
-        sampling,
-        hp,
-        eval_greedy=cfg.eval.greedy,
-        eval_sampled=cfg.eval.sampled,
-        eval_num_samples=cfg.eval.num_samples,
-        num_samples_to_keep=cfg.samples.num,
-        num_train_rows=train_rows,
+    evals = {
+        "eval_greedy": cfg.eval.greedy,
+        "eval_sampled": cfg.eval.sampled,
+        "eval_num_samples": cfg.eval.num_samples,
+    }
+    if kind in ROLLOUT_MODULES:
+        module: L.LightningModule = ROLLOUT_MODULES[kind](
+            policy,
+            harness,
+            engine,
+            sampling,
+            hp,
+            **evals,
+            num_samples_to_keep=cfg.samples.num,
+            num_train_rows=train_rows,
+        )
+        dm: L.LightningDataModule = PromptDataModule(
+            train_rows, eval_rows, a.prompts_per_step, cfg.eval.batch_size, seed=cfg.seed
+        )
+        return module, dm
+    module = OFFLINE_MODULES[kind](policy, hp, harness, engine, sampling, **evals)
+    keys = {k: a.get(f"{k}_key", k) for k in ("messages", "prompt", "completion", "chosen", "rejected")}
+    dm = OfflineDataModule(
+        "preference" if kind == "dpo" else "sft",
+        a.data_path,
+        harness.formatter,
+        keys,
+        a.batch_size,
+        a.max_len,
+        eval_path=a.eval_data_path,
+        eval_fraction=a.eval_fraction,
+        env_eval_rows=eval_rows if a.env_eval else 0,
+        env_eval_batch_size=cfg.eval.batch_size,
+        seed=cfg.seed,
     )
-    dm = PromptDataModule(train_rows, eval_rows, a.prompts_per_step, cfg.eval.batch_size, seed=cfg.seed)
     return module, dm
 
 
-def run(cfg: DictConfig) -> dict[str, float]:
-    """Train with ``cfg`` (a composed ``conf/config.yaml``); returns the final logged metrics."""
+@dataclass
+class RunResult:
+    metrics: dict[str, float]  # the last value of every logged metric
+    module: L.LightningModule
+    trainer: L.Trainer
+    output_dir: Path
+
+
+def run(cfg: DictConfig, extra_callbacks: Sequence[L.Callback] = ()) -> RunResult:
+    """Train with ``cfg`` (a composed ``conf/config.yaml``): validate, build, evaluate, fit, evaluate."""
     validate(cfg)
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
@@ -197,6 +235,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
         callbacks.append(SampleTable(cfg.samples.every_n_steps, output_dir))
     if cfg.trainer.enable_progress_bar:
         callbacks.append(RichProgressBar(leave=True))
+    callbacks.extend(extra_callbacks)
     trainer_kwargs = cast(dict[str, Any], OmegaConf.to_container(cfg.trainer, resolve=True))
     trainer = L.Trainer(
         **trainer_kwargs, logger=loggers, callbacks=callbacks, default_root_dir=str(output_dir)
@@ -217,4 +256,4 @@ def run(cfg: DictConfig) -> dict[str, float]:
         output_dir,
         {k: round(v, 4) for k, v in metrics.items() if k.startswith("eval/")},
     )
-    return metrics
+    return RunResult(metrics, module, trainer, output_dir)

@@ -70,6 +70,91 @@ def validate_model(m: DictConfig) -> None:
         check(0.0 <= m.lora.dropout < 1.0, "model.lora.dropout", m.lora.dropout, "a probability in [0, 1)")
 
 
+def validate_optim(a: DictConfig) -> None:
+    check(a.lr > 0, "algo.lr", a.lr, "a learning rate > 0")
+    check(a.weight_decay >= 0, "algo.weight_decay", a.weight_decay, ">= 0")
+    check(a.warmup_steps >= 0, "algo.warmup_steps", a.warmup_steps, ">= 0")
+    check(0.0 <= a.min_lr_ratio <= 1.0, "algo.min_lr_ratio", a.min_lr_ratio, "in [0, 1]")
+    check(
+        a.grad_clip is None or a.grad_clip > 0, "algo.grad_clip", a.grad_clip, "> 0, or null for no clipping"
+    )
+    check(
+        a.chunk_rows is None or a.chunk_rows > 0,
+        "algo.chunk_rows",
+        a.chunk_rows,
+        "a positive int, or null (auto)",
+    )
+    check(len(a.adam_betas) == 2, "algo.adam_betas", list(a.adam_betas), "two numbers [beta1, beta2]")
+    check(
+        a.micro_batch_size is None or a.micro_batch_size > 0,
+        "algo.micro_batch_size",
+        a.micro_batch_size,
+        "a positive number of examples, or null",
+    )
+    check(
+        a.ref_update_interval is None or a.ref_update_interval > 0,
+        "algo.ref_update_interval",
+        a.ref_update_interval,
+        "a positive number of optimizer steps, or null",
+    )
+
+
+def validate_ppo(a: DictConfig, model: DictConfig) -> None:
+    check(
+        model.finetune == "lora",
+        "model.finetune",
+        model.finetune,
+        "lora for algo=ppo: the critic is a LoRA adapter on the shared frozen base",
+    )
+    check(0.0 < a.gamma <= 1.0, "algo.gamma", a.gamma, "a discount in (0, 1]")
+    check(0.0 <= a.gae_lambda <= 1.0, "algo.gae_lambda", a.gae_lambda, "in [0, 1]")
+    check(
+        a.advantage_granularity in ("turn", "token", "auto"),
+        "algo.advantage_granularity",
+        a.advantage_granularity,
+        "one of turn, token, auto",
+    )
+    check(
+        a.turn_value_reduction in ("mean", "final_value"),
+        "algo.turn_value_reduction",
+        a.turn_value_reduction,
+        "one of mean, final_value",
+    )
+    check(
+        a.importance_sampling_level in ("token", "turn", "trajectory", "auto"),
+        "algo.importance_sampling_level",
+        a.importance_sampling_level,
+        "one of token, turn, trajectory, auto",
+    )
+    check(a.vf_coef >= 0, "algo.vf_coef", a.vf_coef, ">= 0")
+    check(a.value_clip is None or a.value_clip > 0, "algo.value_clip", a.value_clip, "> 0, or null")
+    check(a.lr_critic is None or a.lr_critic > 0, "algo.lr_critic", a.lr_critic, "> 0, or null (= algo.lr)")
+    check(a.critic_warmup_steps >= 0, "algo.critic_warmup_steps", a.critic_warmup_steps, ">= 0")
+    check(a.entropy_coef >= 0, "algo.entropy_coef", a.entropy_coef, ">= 0")
+
+
+def validate_offline(a: DictConfig) -> None:
+    check(
+        a.data_path is not None and Path(a.data_path).expanduser().is_file(),
+        "algo.data_path",
+        a.data_path,
+        "an existing .jsonl, .json or .parquet file",
+    )
+    check(
+        a.eval_data_path is None or Path(a.eval_data_path).expanduser().is_file(),
+        "algo.eval_data_path",
+        a.eval_data_path,
+        "an existing file, or null (use the last eval_fraction of data_path)",
+    )
+    check(0.0 < a.eval_fraction < 1.0, "algo.eval_fraction", a.eval_fraction, "in (0, 1)")
+    check(a.batch_size >= 1, "algo.batch_size", a.batch_size, "at least 1")
+    check(a.max_len > 1, "algo.max_len", a.max_len, "more than 1 token")
+    if a.module == "dpo":
+        check(a.beta > 0, "algo.beta", a.beta, "> 0 (the DPO temperature)")
+        check(a.loss_type in ("sigmoid", "ipo"), "algo.loss_type", a.loss_type, "one of sigmoid, ipo")
+        check(0.0 <= a.label_smoothing < 0.5, "algo.label_smoothing", a.label_smoothing, "in [0, 0.5)")
+
+
 def validate_grpo(a: DictConfig, rollout: DictConfig) -> None:
     check(a.loss in POLICY_LOSSES, "algo.loss", a.loss, f"one of {', '.join(POLICY_LOSSES.names())}")
     check(
@@ -119,13 +204,6 @@ def validate_grpo(a: DictConfig, rollout: DictConfig) -> None:
         f"a divisor of the mini-batch ({mini} trajectories)",
     )
     check(a.update_epochs >= 1, "algo.update_epochs", a.update_epochs, "at least 1")
-    check(a.lr > 0, "algo.lr", a.lr, "a learning rate > 0")
-    check(a.weight_decay >= 0, "algo.weight_decay", a.weight_decay, ">= 0")
-    check(a.warmup_steps >= 0, "algo.warmup_steps", a.warmup_steps, ">= 0")
-    check(0.0 <= a.min_lr_ratio <= 1.0, "algo.min_lr_ratio", a.min_lr_ratio, "in [0, 1]")
-    check(
-        a.grad_clip is None or a.grad_clip > 0, "algo.grad_clip", a.grad_clip, "> 0, or null for no clipping"
-    )
     check(a.beta >= 0, "algo.beta", a.beta, "a KL coefficient >= 0")
     check(a.kl_clamp is None or a.kl_clamp > 0, "algo.kl_clamp", a.kl_clamp, "> 0, or null")
     check(
@@ -147,18 +225,11 @@ def validate_grpo(a: DictConfig, rollout: DictConfig) -> None:
         "a dual-clip bound > 1, or null",
     )
     check(
-        a.chunk_rows is None or a.chunk_rows > 0,
-        "algo.chunk_rows",
-        a.chunk_rows,
-        "a positive int, or null (auto)",
-    )
-    check(
         a.max_len_norm is None or a.max_len_norm > 0,
         "algo.max_len_norm",
         a.max_len_norm,
         "a positive token count, or null (rollout.max_new_tokens)",
     )
-    check(len(a.adam_betas) == 2, "algo.adam_betas", list(a.adam_betas), "two numbers [beta1, beta2]")
     check(a.is_level in ("sequence", "turn"), "algo.is_level", a.is_level, "one of sequence, turn")
     check(a.is_pooling in ("mean", "sum"), "algo.is_pooling", a.is_pooling, "one of mean, sum")
     check(
@@ -251,10 +322,15 @@ def validate(cfg: DictConfig) -> None:
     check_known_keys(cfg)
     validate_model(cfg.model)
     validate_rollout(cfg.rollout)
-    if cfg.algo.module == "grpo":
-        validate_grpo(cfg.algo, cfg.rollout)
-    else:
-        raise ConfigError("algo.module", cfg.algo.module, "one of grpo")
+    a = cfg.algo
+    check(a.module in ("grpo", "ppo", "sft", "dpo"), "algo.module", a.module, "one of grpo, ppo, sft, dpo")
+    validate_optim(a)
+    if a.module in ("grpo", "ppo"):
+        validate_grpo(a, cfg.rollout)
+    if a.module == "ppo":
+        validate_ppo(a, cfg.model)
+    if a.module in ("sft", "dpo"):
+        validate_offline(a)
     e = cfg.env
     check(e.max_turns >= 1, "env.max_turns", e.max_turns, "at least 1")
     check(

@@ -1,67 +1,54 @@
-"""Build the embedded tiny checkpoint (``model=tiny``) from scratch, offline.
+"""Build the embedded tiny checkpoint (``model=tiny``) from scratch, offline, with ``algo=sft``.
 
 1. Train a byte-level BPE tokenizer on arithmetic word problems rendered in the chat format.
-2. Build a ~1M-parameter Qwen2-style model.
-3. Supervised-fine-tune it on the train split (loss on answer tokens only) and stop as soon as
-   its held-out accuracy, sampled at temperature 1, is partial (``--target``), so that RL has
-   room to improve it within minutes on a CPU.
+2. Build a ~1M-parameter Qwen2-style model (random weights) next to it.
+3. Supervised-fine-tune it with the package's SFT module (``algo=sft``, full fine-tuning, loss on
+   answer tokens only) on problems from the arithmetic train split, evaluating the env's
+   held-out split every 10 steps, and stop as soon as the accuracy sampled at temperature 1 is
+   partial (``--target``), so that RL has room to improve it within minutes on a CPU.
 4. Save model, tokenizer and chat template to ``rlhf_lightning/assets/tiny_arithmetic``.
 
-    python scripts/build_tiny_model.py            # ~1 minute on 2 CPU cores
+    python scripts/build_tiny_model.py            # ~5-10 minutes on 2 CPU cores
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
-import random
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
-import torch
+import lightning as L
+from hydra import compose, initialize_config_dir
 
+from rlhf_lightning.config import register_configs
 from rlhf_lightning.envs.arithmetic import make_problem
 from rlhf_lightning.models.tiny import TINY_MODEL_DIR, build_tiny_model, build_tokenizer
+from rlhf_lightning.run import run
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
-def render(tokenizer, question: str) -> str:
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
-    )
+class StopAtAccuracy(L.Callback):
+    """Stop fitting once ``eval/accuracy_sampled`` reaches ``target``."""
+
+    def __init__(self, target: float) -> None:
+        self.target = target
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        acc = trainer.callback_metrics.get("eval/accuracy_sampled")
+        if trainer.state.fn == "fit" and acc is not None and float(acc) >= self.target:
+            trainer.should_stop = True
 
 
-def sft_batch(tokenizer, rows: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded prompt+answer ids, attention mask, and labels (-100 outside the answer)."""
-    seqs, labels = [], []
-    for row in rows:
-        p = make_problem(seed, row, False, 10, 99)
-        prompt = tokenizer(render(tokenizer, p.question), add_special_tokens=False).input_ids
-        answer = tokenizer(str(p.answer), add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
-        seqs.append(prompt + answer)
-        labels.append([-100] * len(prompt) + answer)
-    width = max(map(len, seqs))
-    ids = torch.full((len(seqs), width), tokenizer.pad_token_id)
-    lab = torch.full((len(seqs), width), -100)
-    for i, (s, lb) in enumerate(zip(seqs, labels)):
-        ids[i, : len(s)], lab[i, : len(lb)] = torch.tensor(s), torch.tensor(lb)
-    return ids, (lab != -100) | (ids != tokenizer.pad_token_id), lab
-
-
-@torch.no_grad()
-def accuracy(model, tokenizer, seed: int, n: int, temperature: float) -> float:
-    model.eval()
-    problems = [make_problem(seed, i, True, 10, 99) for i in range(n)]
-    enc = tokenizer([render(tokenizer, p.question) for p in problems], return_tensors="pt", padding=True)
-    kwargs = (
-        {"do_sample": True, "temperature": temperature, "top_k": 0}
-        if temperature > 0
-        else {"do_sample": False}
-    )
-    out = model.generate(**enc, max_new_tokens=6, pad_token_id=tokenizer.pad_token_id, **kwargs)
-    texts = tokenizer.batch_decode(out[:, enc.input_ids.shape[1] :], skip_special_tokens=True)
-    model.train()
-    return sum(t.strip() == str(p.answer) for t, p in zip(texts, problems)) / n
+def write_jsonl(path: Path, seed: int, rows: range) -> None:
+    with path.open("w") as f:
+        for i in rows:
+            p = make_problem(seed, i, False, 10, 99)
+            f.write(json.dumps({"prompt": p.question, "completion": str(p.answer)}) + "\n")
 
 
 def main() -> None:
@@ -73,60 +60,99 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--train-rows", type=int, default=100_000)
     args = ap.parse_args()
-    torch.manual_seed(args.seed)
-    random.seed(args.seed)
-    torch.set_num_threads(1)
-
-    # 1. Tokenizer, trained on the prompts and answers it will see.
-    corpus_rows = [make_problem(args.seed, i, False, 10, 99) for i in range(4000)]
-    bootstrap = build_tokenizer(["x"], vocab_size=300)  # only to render the chat template
-    corpus = [render(bootstrap, p.question) + f"{p.answer}<|im_end|>\n" for p in corpus_rows]
-    tokenizer = build_tokenizer(corpus, vocab_size=512)
-    # 2. Model.
-    model = build_tiny_model(
-        len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id
-    )
-    model.config.use_cache = True
-    print(f"vocab {len(tokenizer)}, parameters {sum(p.numel() for p in model.parameters()):,}")
-    # 3. SFT until the sampled accuracy is partial.
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    model.train()
-    t0, history = time.time(), []
-    acc_greedy = acc_sampled = 0.0
-    for step in range(1, args.max_steps + 1):
-        rows = [random.randrange(100_000) for _ in range(args.batch_size)]
-        ids, mask, labels = sft_batch(tokenizer, rows, args.seed)
-        loss = model(input_ids=ids, attention_mask=mask.long(), labels=labels).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if step % args.eval_every == 0:
-            acc_sampled = accuracy(model, tokenizer, args.seed, 200, 1.0)
-            acc_greedy = accuracy(model, tokenizer, args.seed, 200, 0.0)
-            history.append({"step": step, "loss": loss.item(), "greedy": acc_greedy, "sampled": acc_sampled})
-            print(
-                f"step {step:4d}  loss {loss.item():.3f}  eval greedy {acc_greedy:.3f}  sampled {acc_sampled:.3f}  ({time.time() - t0:.0f}s)"
+    t0 = time.time()
+    work = Path(tempfile.mkdtemp(prefix="tiny_build_"))
+    try:
+        # 1. Tokenizer, trained on the prompts and answers it will see.
+        bootstrap = build_tokenizer(["x"], vocab_size=300)  # only to render the chat template
+        corpus = []
+        for i in range(4000):
+            p = make_problem(args.seed, i, False, 10, 99)
+            msgs = [{"role": "user", "content": p.question}]
+            corpus.append(
+                bootstrap.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+                + f"{p.answer}<|im_end|>\n"
             )
-            if acc_sampled >= args.target:
-                break
-    # 4. Save.
-    if args.out.exists():
-        shutil.rmtree(args.out)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.save_pretrained(args.out)
-    tokenizer.save_pretrained(args.out)
-    info = {
-        "seed": args.seed,
-        "sft_steps": step,
-        "eval_accuracy_greedy": acc_greedy,
-        "eval_accuracy_sampled_t1": acc_sampled,
-        "history": history,
-    }
-    (args.out / "build_info.json").write_text(json.dumps(info, indent=1))
-    print(f"saved to {args.out} after {step} steps ({time.time() - t0:.0f}s)")
+        tokenizer = build_tokenizer(corpus, vocab_size=512)
+        # 2. The random model, saved like any local model.
+        model = build_tiny_model(
+            len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id
+        )
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        base = work / "base"
+        model.save_pretrained(base)
+        tokenizer.save_pretrained(base)
+        print(f"vocab {len(tokenizer)}, parameters {sum(p.numel() for p in model.parameters()):,}")
+        # 3. SFT with algo=sft until the sampled accuracy is partial.
+        write_jsonl(work / "train.jsonl", args.seed, range(args.train_rows))
+        write_jsonl(work / "eval.jsonl", args.seed + 1, range(200))
+        register_configs()
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+            cfg = compose(
+                config_name="config",
+                overrides=[
+                    "algo=sft",
+                    "model=local",
+                    f"model.path={base}",
+                    "model.finetune=full",
+                    "model.dtype=float32",
+                    "model.attn_implementation=eager",
+                    f"algo.data_path={work / 'train.jsonl'}",
+                    f"algo.eval_data_path={work / 'eval.jsonl'}",
+                    f"algo.lr={args.lr}",
+                    "algo.min_lr_ratio=1.0",
+                    f"algo.batch_size={args.batch_size}",
+                    f"trainer.max_steps={args.max_steps}",
+                    f"trainer.val_check_interval={args.eval_every}",
+                    "env=arithmetic",
+                    "env.kwargs.eval_size=200",
+                    "rollout.max_new_tokens=6",
+                    "eval.batch_size=200",
+                    "eval.at_end=false",
+                    "checkpoint.every_n_steps=0",
+                    "checkpoint.save_last=false",
+                    "checkpoint.export_adapters=false",
+                    "samples.every_n_steps=0",
+                    "trainer.enable_progress_bar=false",
+                    f"seed={args.seed}",
+                    "num_threads=1",
+                    f"output_dir={work / 'run'}",
+                ],
+            )
+        result = run(cfg, extra_callbacks=[StopAtAccuracy(args.target)])
+        history = [
+            {
+                "step": int(r["step"]),
+                "eval_loss": float(r["eval/loss"]),
+                "greedy": float(r["eval/accuracy_greedy"]),
+                "sampled": float(r["eval/accuracy_sampled"]),
+            }
+            for r in csv.DictReader((work / "run" / "metrics.csv").open())
+            if r.get("eval/accuracy_sampled")
+        ]
+        # 4. Save.
+        if args.out.exists():
+            shutil.rmtree(args.out)
+        result.module.policy.model.save_pretrained(args.out)
+        tokenizer.save_pretrained(args.out)
+        info = {
+            "seed": args.seed,
+            "sft_steps": result.trainer.global_step,
+            "eval_accuracy_greedy": history[-1]["greedy"],
+            "eval_accuracy_sampled_t1": history[-1]["sampled"],
+            "built_with": "scripts/build_tiny_model.py (algo=sft)",
+            "history": history,
+        }
+        (args.out / "build_info.json").write_text(json.dumps(info, indent=1))
+        print(
+            f"saved to {args.out} after {result.trainer.global_step} SFT steps ({time.time() - t0:.0f}s): "
+            f"eval greedy {info['eval_accuracy_greedy']:.3f}, sampled {info['eval_accuracy_sampled_t1']:.3f}"
+        )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -110,7 +110,8 @@ class RolloutModule(LigerPath, RolloutEvaluation):
     def extra_loss(
         self, traj: TrajectoryBatch, index: torch.Tensor, norm: dict[str, Any]
     ) -> tuple[torch.Tensor, Metrics]:
-        """Additional scalar loss for a micro-batch (e.g. a critic's value loss)."""
+        """Additional scalar loss for a micro-batch (e.g. a critic's value loss). It may also
+        back-propagate a term itself and return zero (a separate pass saves activation memory)."""
         return torch.zeros((), device=self.device), {}
 
     def collect(self, rows: list[int]) -> tuple[RolloutResult, Metrics]:
@@ -266,42 +267,56 @@ class RolloutModule(LigerPath, RolloutEvaluation):
             order = torch.randperm(n, device=self.device) if n > mini else torch.arange(n, device=self.device)
             for mb in order.split(mini):
                 # Normalisers of the whole mini-batch (summed over ranks under DDP).
-                norm = self.normalisers(loss_mask[mb])
+                norm = self.normalisers(loss_mask[mb], mb)
                 run = mb[seq_adv[mb] != 0] if skip_zero else mb
                 mb_loss = torch.zeros((), device=self.device)
+                mb_actor = torch.zeros((), device=self.device)
                 for index in run.split(micro) if len(run) else ():
                     loss, m = self.micro_step(traj, adv, loss_mask, old_logp, ref_logp, index, norm)
                     self.manual_backward(loss)
                     mb_loss = mb_loss + loss.detach()
+                    mb_actor = mb_actor + m.pop("actor/loss_part", torch.zeros((), device=self.device))
                     acc.add(m, weight=loss_mask[index].sum())
-                max_norm = self.hp.grad_clip if self.hp.grad_clip is not None else float("inf")
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.trainable_parameters(), max_norm)
+                acc.add({"actor/loss": mb_actor, "train/loss": mb_loss, **self.clip_gradients_()})
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 sched.step()
-                acc.add({"actor/loss": mb_loss, "actor/grad_norm": grad_norm.detach()})
         out = acc.result()
         out["actor/lr"] = torch.tensor(sched.get_last_lr()[0])
         out["actor/skipped_rows_frac"] = (seq_adv == 0).float().mean() if skip_zero else torch.zeros(())
         return {k: v.detach().float().cpu() for k, v in out.items()}
 
+    def clip_gradients_(self) -> Metrics:
+        """Clip the accumulated gradients (``algo.grad_clip``); returns the norm(s) before clipping."""
+        max_norm = self.hp.grad_clip if self.hp.grad_clip is not None else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.trainable_parameters(), max_norm)
+        return {"actor/grad_norm": grad_norm.detach()}
+
+    def actor_loss_enabled(self) -> bool:
+        """False while only a critic trains (PPO's critic warm-up)."""
+        return True
+
     def can_skip_zero_advantage(self) -> bool:
         """Whether a row with zero advantage adds no gradient (false once e.g. an entropy bonus is added)."""
         return True
 
-    def normalisers(self, mask: torch.Tensor) -> dict[str, Any]:
-        """:func:`aggregate`'s denominators for a mini-batch.
+    def normalisers(self, mask: torch.Tensor, rows: torch.Tensor) -> dict[str, Any]:
+        """:func:`aggregate`'s denominators for a mini-batch (``mask`` = its loss mask, ``rows`` its indices).
 
         Summed over ranks, then divided by the world size to undo DDP's gradient averaging, so
         the update equals the one of the global mini-batch.
         """
-        tokens = mask.sum().float()
-        seqs = torch.tensor(float(mask.shape[0]), device=mask.device)
+        return {
+            "num_tokens": self.global_count(mask.sum().float()),
+            "num_seqs": self.global_count(torch.tensor(float(mask.shape[0]), device=mask.device)),
+        }
+
+    def global_count(self, count: torch.Tensor) -> torch.Tensor:
+        """A count summed over ranks, per rank (the DDP gradient average divides by the world size)."""
         world = self.trainer.world_size if self._trainer is not None else 1
         if world > 1:
-            tokens = self.trainer.strategy.reduce(tokens, reduce_op="sum")
-            seqs = self.trainer.strategy.reduce(seqs, reduce_op="sum")
-        return {"num_tokens": tokens / world, "num_seqs": seqs / world}
+            count = self.trainer.strategy.reduce(count, reduce_op="sum")
+        return count / world
 
     def micro_step(
         self,
@@ -318,11 +333,23 @@ class RolloutModule(LigerPath, RolloutEvaluation):
         sub = traj.select(index)
         width = sub.action_mask.shape[1]
         mask = loss_mask[index][:, :width]
+        if not self.actor_loss_enabled():
+            return self.extra_loss(traj, index, norm)
         if self.use_liger:
             return self.liger_micro_step(
                 sub, adv[index], mask, _rows(old_logp, index, width), _rows(ref_logp, index, width), norm
             )
-        logp = self.token_logprobs(sub)
+        entropy_coef = getattr(hp, "entropy_coef", 0.0)
+        logp, entropy = self.policy.token_logprobs(
+            sub.input_ids,
+            sub.attention_mask,
+            sub.action_mask,
+            temperature=self.sampling.temperature,
+            chunk_rows=hp.chunk_rows,
+            return_entropy=entropy_coef > 0,
+            prompt_lens=sub.prompt_lens,
+            prefix_ids=sub.prefix_ids,
+        )
         old = _rows(old_logp, index, width)
         trainer_old = logp.detach() if old is None else old
         a = adv[index] if adv.dim() == 1 else adv[index][:, :width]
@@ -343,7 +370,18 @@ class RolloutModule(LigerPath, RolloutEvaluation):
             metrics["actor/kl"] = masked_mean(kl_t.detach(), mask)
             if hp.kl_clamp is not None:
                 metrics["actor/kl_clamp_frac"] = masked_mean((kl_t.abs() > hp.kl_clamp).float(), mask)
-        loss = aggregate(per_token, mask, hp.loss_agg_mode, max_len=self.max_len_norm, **norm)
+        if entropy is not None:  # entropy bonus
+            per_token = per_token - entropy_coef * entropy
+            metrics["actor/entropy"] = masked_mean(entropy.detach(), mask)
+        loss = aggregate(
+            per_token,
+            mask,
+            hp.loss_agg_mode,
+            max_len=self.max_len_norm,
+            num_tokens=norm["num_tokens"],
+            num_seqs=norm["num_seqs"],
+        )
+        metrics["actor/loss_part"] = loss.detach()
         extra, extra_metrics = self.extra_loss(traj, index, norm)
         metrics.update(extra_metrics)
         return loss + extra, metrics

@@ -36,8 +36,10 @@ class MetricAccumulator:
         return {k: self.sums[k] / self.weights[k].clamp(min=1e-12) for k in self.sums}
 
 
-def adamw_with_schedule(params: Iterable[torch.nn.Parameter], hp: Any, total_steps: int) -> dict[str, Any]:
-    """AdamW and a per-step warm-up + cosine schedule, from an algorithm config's fields."""
+def adamw_with_schedule(params: Iterable[Any], hp: Any, total_steps: int) -> dict[str, Any]:
+    """AdamW and a per-step warm-up + cosine schedule, from an algorithm config's fields.
+
+    ``params``: parameters, or param-group dicts (a group may set its own ``lr``)."""
     opt = torch.optim.AdamW(
         list(params), lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.adam_betas), eps=hp.adam_eps
     )
@@ -64,7 +66,8 @@ class ModuleMixin(L.LightningModule):
         self.trainer.callback_metrics.update({k: v.detach().cpu() for k, v in metrics.items()})
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Keep trainable weights only: the frozen base is reloaded from its path on resume."""
-        trainable = {n for n, p in self.named_parameters() if p.requires_grad}
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
+        """Keep trainable weights (and a reference adapter, which may move) only: the frozen base
+        is reloaded from its path on resume."""
+        keep = {n for n, p in self.named_parameters() if p.requires_grad or ".reference." in n}
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
         checkpoint["trainable_only"] = True

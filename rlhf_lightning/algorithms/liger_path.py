@@ -104,7 +104,9 @@ class LigerPath(ModuleMixin):
             temperature=self.sampling.temperature,
             max_len=self.hp.max_len_norm or self.sampling.max_new_tokens,
             world_size=self.trainer.world_size if self._trainer is not None else 1,
-            **norm,
+            num_tokens=norm["num_tokens"],
+            num_seqs=norm["num_seqs"],
         )
         metrics.update({f"actor/{k}": v for k, v in m.items()})
+        metrics["actor/loss_part"] = loss.detach()
         return loss, metrics

@@ -2,33 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import threading
-from pathlib import Path
 from typing import Any
 
 from rlhf_lightning.config import ASSETS
+from rlhf_lightning.data.files import read_rows, require_columns, split_rows
 
 SAMPLE_FILE = ASSETS / "math_sample.jsonl"
-
-
-def read_rows(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a ``.jsonl``/``.json`` (one object per line, or a list) or ``.parquet`` file."""
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise FileNotFoundError(
-            f"MathEnv: no such file {str(p)!r}; give env.kwargs.path a local .jsonl or .parquet file"
-        )
-    if p.suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError as err:
-            raise ImportError("reading .parquet needs pyarrow: pip install pyarrow") from err
-        return pq.read_table(p).to_pylist()
-    text = p.read_text()
-    if p.suffix == ".json" and text.lstrip().startswith("["):
-        return json.loads(text)
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def verify(completion: str, gold: str) -> bool:
@@ -65,18 +45,10 @@ class MathEnv:
         eval_fraction: float = 0.25,
         instruction: str = "Put the final answer in \\boxed{}.",
     ) -> None:
-        rows = read_rows(path or SAMPLE_FILE)
-        for i, row in enumerate(rows):
-            missing = [k for k in (question_key, answer_key) if k not in row]
-            if missing:
-                raise KeyError(
-                    f"MathEnv: row {i} of {path or SAMPLE_FILE} has no column(s) {missing}; columns: {sorted(row)}"
-                )
-        if eval_path is not None:
-            self.train, self.eval = rows, read_rows(eval_path)
-        else:
-            cut = max(1, int(len(rows) * (1 - eval_fraction)))
-            self.train, self.eval = rows[:cut], rows[cut:]
+        rows = read_rows(path or SAMPLE_FILE, "env.kwargs.path")
+        require_columns(rows, [question_key, answer_key], f"MathEnv file {path or SAMPLE_FILE}")
+        eval_rows = read_rows(eval_path, "env.kwargs.eval_path") if eval_path is not None else None
+        self.train, self.eval = split_rows(rows, eval_rows, eval_fraction)
         self.question_key, self.answer_key, self.instruction = question_key, answer_key, instruction
         self.row: dict[str, Any] | None = None
 

@@ -10,6 +10,15 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from rlhf_lightning.models.adapters import (
+    ACTOR,
+    CRITIC,
+    REFERENCE,
+    adapter_dir,
+    copy_adapter,
+    load_into,
+    load_value_head,
+)
 from rlhf_lightning.models.policy import Policy
 from rlhf_lightning.validation import ConfigError, is_hub_id
 
@@ -105,39 +114,101 @@ def build_policy(
     lora_target_modules: Any = "all-linear",
     need_reference: bool = False,
     gradient_checkpointing: bool = False,
+    adapter_path: str | None = None,
+    reference_from_checkpoint: bool = False,
+    separate_reference: bool = False,
+    with_critic: bool = False,
 ) -> Policy:
     """Wrap ``model`` as a trainable policy.
 
-    ``finetune="lora"``: the base is frozen and an ``actor`` LoRA adapter is trained; the
-    reference policy is the base with adapters disabled (free). ``finetune="full"``: every
-    weight trains; a frozen copy is kept as the reference only when ``need_reference``.
-    Dropout is switched off everywhere: the log-probs of the update must be those of the
-    policy that sampled (and the reference must be deterministic).
+    ``finetune="lora"``: the base is frozen and an ``actor`` LoRA adapter is trained. The
+    reference policy is the base with adapters disabled (free), or, with ``separate_reference``
+    or when starting from ``adapter_path``, a frozen ``reference`` adapter. ``with_critic`` adds
+    a trainable ``critic`` adapter and a scalar value head (PPO).
+
+    ``adapter_path`` (a directory with ``actor/`` and optionally ``reference/`` and
+    ``critic/``, as exported next to every checkpoint, or a single adapter directory) starts
+    the actor from a saved adapter, and the loaded actor is copied onto the reference: each
+    stage of an SFT -> DPO -> RL chain is regularised towards where it started. With
+    ``reference_from_checkpoint`` a saved ``reference/`` is loaded instead (when present). A
+    saved ``critic/`` (and its value head) is loaded when the algorithm has a critic.
+
+    ``finetune="full"``: every weight trains; a frozen copy is kept as the reference only when
+    ``need_reference``. Dropout is switched off everywhere: the log-probs of the update must be
+    those of the policy that sampled (and the reference must be deterministic).
     """
     disable_dropout(model)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
-    if finetune == "lora":
-        for p in model.parameters():
-            p.requires_grad_(False)
-        target = (
-            list(lora_target_modules) if not isinstance(lora_target_modules, str) else lora_target_modules
+    share = not gradient_checkpointing
+    if finetune != "lora":
+        if adapter_path or with_critic or separate_reference:
+            raise ConfigError(
+                "model.finetune",
+                finetune,
+                "lora: adapter_path, a critic and a separate reference adapter are LoRA adapters on the frozen base",
+            )
+        reference = None
+        if need_reference:
+            reference = copy.deepcopy(model)
+            for p in reference.parameters():
+                p.requires_grad_(False)
+        return Policy(model, adapter_name=None, reference=reference, share_prompt=share)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    target = list(lora_target_modules) if not isinstance(lora_target_modules, str) else lora_target_modules
+    config = LoraConfig(
+        r=lora_r,
+        lora_alpha=lora_alpha,
+        lora_dropout=lora_dropout,
+        target_modules=target,
+        task_type="CAUSAL_LM",
+    )
+    peft_model = get_peft_model(model, config, adapter_name=ACTOR)
+    loaded = None
+    if adapter_path is not None:
+        loaded = adapter_dir(adapter_path, ACTOR)
+        if loaded is None:
+            raise ConfigError(
+                "model.adapter_path",
+                adapter_path,
+                "a directory holding actor/adapter_config.json (or adapter_config.json)",
+            )
+        load_into(peft_model, loaded, ACTOR)
+        log.info("actor adapter loaded from %s", loaded)
+    reference_adapter = None
+    if separate_reference or adapter_path is not None:
+        peft_model.add_adapter(REFERENCE, config)
+        saved_ref = (
+            adapter_dir(adapter_path, REFERENCE) if adapter_path and reference_from_checkpoint else None
         )
-        config = LoraConfig(
-            r=lora_r,
-            lora_alpha=lora_alpha,
-            lora_dropout=lora_dropout,
-            target_modules=target,
-            task_type="CAUSAL_LM",
-        )
-        peft_model = get_peft_model(model, config, adapter_name="actor")
-        if gradient_checkpointing:
-            peft_model.enable_input_require_grads()
-        return Policy(peft_model, adapter_name="actor", share_prompt=not gradient_checkpointing)
-    reference = None
-    if need_reference:
-        reference = copy.deepcopy(model)
-        for p in reference.parameters():
-            p.requires_grad_(False)
-    return Policy(model, adapter_name=None, reference=reference, share_prompt=not gradient_checkpointing)
+        if saved_ref is not None:
+            load_into(peft_model, saved_ref, REFERENCE)
+        else:
+            copy_adapter(peft_model, ACTOR, REFERENCE)
+        reference_adapter = REFERENCE
+    value_head = None
+    if with_critic:
+        peft_model.add_adapter(CRITIC, config)
+        hidden = model.config.hidden_size
+        value_head = torch.nn.Linear(hidden, 1, dtype=next(model.parameters()).dtype)
+        torch.nn.init.zeros_(value_head.weight)
+        torch.nn.init.zeros_(value_head.bias)
+        saved_critic = adapter_dir(adapter_path, CRITIC) if adapter_path is not None else None
+        if saved_critic is not None:
+            load_into(peft_model, saved_critic, CRITIC)
+            load_value_head(value_head, saved_critic)
+    peft_model.set_adapter(ACTOR)
+    for name, p in peft_model.named_parameters():  # actor and critic train; base and reference stay frozen
+        p.requires_grad_(f".{ACTOR}." in name or f".{CRITIC}." in name)
+    if gradient_checkpointing:
+        peft_model.enable_input_require_grads()
+    return Policy(
+        peft_model,
+        adapter_name=ACTOR,
+        share_prompt=share,
+        reference_adapter=reference_adapter,
+        critic_adapter=CRITIC if with_critic else None,
+        value_head=value_head,
+    )

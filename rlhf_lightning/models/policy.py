@@ -7,12 +7,13 @@ import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from peft import PeftModel
 from torch import nn
 
+from rlhf_lightning.models.adapters import copy_adapter, save_adapters
 from rlhf_lightning.ops.logprobs import chunked_logprobs
 
 
@@ -86,15 +87,18 @@ def _has_shared_prompts(prompt_lens: torch.Tensor, prefix_ids: torch.Tensor) -> 
 
 
 class Policy(nn.Module):
-    """Actor (and reference) on one model.
+    """Actor, reference and critic on one model.
 
     Args:
         model: a ``PreTrainedModel`` or a ``PeftModel`` holding the ``adapter_name`` adapter.
         adapter_name: the trained LoRA adapter, or None for full fine-tuning.
-        reference: a frozen reference model for full fine-tuning with a KL term (LoRA uses the
-            base with adapters disabled instead).
+        reference: a frozen reference model for full fine-tuning with a KL term.
         share_prompt: run a prompt shared by several rows once (see :func:`shared_prefix_hidden`);
             off under gradient checkpointing, which disables the KV cache.
+        reference_adapter: a frozen LoRA adapter serving as the reference; None: the base with
+            adapters disabled (LoRA) or ``reference`` (full fine-tuning).
+        critic_adapter, value_head: the critic's LoRA adapter and its scalar head on the final
+            hidden state (PPO).
     """
 
     def __init__(
@@ -103,12 +107,19 @@ class Policy(nn.Module):
         adapter_name: str | None = None,
         reference: nn.Module | None = None,
         share_prompt: bool = True,
+        reference_adapter: str | None = None,
+        critic_adapter: str | None = None,
+        value_head: nn.Linear | None = None,
     ) -> None:
         super().__init__()
         self.model = model
         self.adapter_name = adapter_name
         self.reference = reference
         self.share_prompt = share_prompt
+        self.reference_adapter = reference_adapter
+        self.critic_adapter = critic_adapter
+        self.value_head = value_head
+        self._trainable = {n for n, p in self.named_parameters() if p.requires_grad}
 
     @property
     def is_peft(self) -> bool:
@@ -122,13 +133,38 @@ class Policy(nn.Module):
     def generation_model(self) -> nn.Module:
         return self.model
 
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.model.parameters() if p.requires_grad]
+    def trainable_parameters(self, part: str = "all") -> list[nn.Parameter]:
+        """``all``, ``actor`` (everything but the critic) or ``critic`` (its adapter and value head)."""
+        out = []
+        for name, p in self.named_parameters():
+            if name not in self._trainable:
+                continue
+            is_critic = name.startswith("value_head.") or (
+                self.critic_adapter is not None and f".{self.critic_adapter}." in name
+            )
+            if part == "all" or (part == "critic") == is_critic:
+                out.append(p)
+        return out
+
+    @contextmanager
+    def use_adapter(self, name: str) -> Iterator[Any]:
+        """Run the CausalLM with LoRA adapter ``name`` active; trainability is left as it was."""
+        model = cast(PeftModel, self.model)
+        model.set_adapter(name)
+        try:
+            yield self.causal_lm
+        finally:
+            model.set_adapter(cast(str, self.adapter_name))
+            for n, p in self.named_parameters():  # set_adapter toggles requires_grad: restore it
+                p.requires_grad_(n in self._trainable)
 
     @contextmanager
     def reference_mode(self) -> Iterator[Any]:
-        """Yields the reference CausalLM: the base with adapters disabled, or the frozen copy."""
-        if isinstance(self.model, PeftModel):
+        """Yields the reference CausalLM: its own adapter, the base with adapters disabled, or the frozen copy."""
+        if self.reference_adapter is not None:
+            with self.use_adapter(self.reference_adapter) as lm:
+                yield lm
+        elif isinstance(self.model, PeftModel):
             with self.model.disable_adapter():
                 yield self.causal_lm
         elif self.reference is not None:
@@ -137,6 +173,35 @@ class Policy(nn.Module):
             raise RuntimeError(
                 "full fine-tuning without a reference copy: build the policy with need_reference=True"
             )
+
+    def values(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        action_mask: torch.Tensor,
+        *,
+        prompt_lens: torch.Tensor | None = None,
+        prefix_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The critic's value at every action position (predicting that token's return), 0 elsewhere.
+
+        Returns:
+            Shape: (B, L-1)
+        """
+        if self.critic_adapter is None or self.value_head is None:
+            raise RuntimeError("this policy has no critic (build it with a critic adapter)")
+        with self.use_adapter(self.critic_adapter):
+            rows, _ = self.action_hidden(
+                input_ids, attention_mask, action_mask, prompt_lens=prompt_lens, prefix_ids=prefix_ids
+            )
+        v = self.value_head(rows.to(self.value_head.weight.dtype)).squeeze(-1).float()  # (N,)
+        return torch.zeros(action_mask.shape, dtype=v.dtype, device=v.device).masked_scatter(action_mask, v)
+
+    @torch.no_grad()
+    def copy_actor_to_reference(self) -> None:
+        if self.reference_adapter is None or self.adapter_name is None:
+            raise RuntimeError("no reference adapter to copy the actor onto")
+        copy_adapter(cast(PeftModel, self.model), self.adapter_name, self.reference_adapter)
 
     def action_hidden(
         self,
@@ -222,11 +287,11 @@ class Policy(nn.Module):
         return logp, entropy
 
     def save_adapter(self, directory: str | Path) -> Path | None:
-        """Write the actor as a PEFT adapter directory (``directory/actor``); None for full fine-tuning."""
+        """Write every LoRA adapter as a PEFT directory (``directory/actor``, ``reference``, ``critic``,
+        the critic with its value head); returns the actor's. None for full fine-tuning."""
         if not isinstance(self.model, PeftModel) or self.adapter_name is None:
             return None
-        directory = Path(directory)
-        self.model.save_pretrained(str(directory), selected_adapters=[self.adapter_name])
-        # PEFT writes non-default adapters under a subdirectory named after them.
-        out = directory / self.adapter_name
-        return out if out.is_dir() else directory
+        names = [n for n in (self.adapter_name, self.reference_adapter, self.critic_adapter) if n is not None]
+        save_adapters(self.model, directory, names, self.value_head)
+        out = Path(directory) / self.adapter_name
+        return out if out.is_dir() else Path(directory)

@@ -6,9 +6,10 @@ import random
 
 import pytest
 
+from rlhf_lightning.data.files import read_rows
 from rlhf_lightning.envs.base import TextEnv
 from rlhf_lightning.envs.guess_number import GuessNumberEnv
-from rlhf_lightning.envs.math import MathEnv, read_rows, verify
+from rlhf_lightning.envs.math import MathEnv, verify
 from rlhf_lightning.envs.sudoku import SudokuEnv, is_valid_grid, solution_grid
 from rlhf_lightning.envs.tool_calc import ToolCalcEnv, safe_eval
 

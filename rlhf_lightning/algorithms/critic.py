@@ -1,0 +1,110 @@
+"""Steps for actor-critic credit assignment: each generated turn (or each action token) is one
+RL step. Pure functions over the trajectory batch layout.
+
+Notation:
+    B: trajectories, T = L-1 token positions, S: steps per trajectory (turns, or action tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def step_index(
+    action_mask: torch.Tensor, turn_ids: torch.Tensor, granularity: str
+) -> tuple[torch.Tensor, int]:
+    """The step each action token belongs to (-1 elsewhere) and the number of step columns.
+
+    ``turn``: a step is a generated turn (``turn_ids``). ``token``: a step is an action token,
+    numbered in order within the trajectory.
+
+    Args:
+        action_mask, turn_ids: Shape: (B, T)
+
+    Returns:
+        (step ids of shape (B, T), S)
+    """
+    if granularity == "turn":
+        idx = torch.where(action_mask, turn_ids, torch.full_like(turn_ids, -1))
+    elif granularity == "token":
+        idx = torch.where(action_mask, action_mask.long().cumsum(-1) - 1, torch.full_like(turn_ids, -1))
+    else:
+        raise ValueError(f"advantage granularity must be turn or token, got {granularity!r}")
+    return idx, int(idx.max()) + 1 if idx.numel() and int(idx.max()) >= 0 else 1
+
+
+def reduce_to_steps(
+    values: torch.Tensor, idx: torch.Tensor, steps: int, reduction: str = "mean"
+) -> torch.Tensor:
+    """Per-step values from per-token values: the mean over the step's tokens, or its last token's.
+
+    Args:
+        values: Shape: (B, T)
+        idx: step ids from :func:`step_index`. Shape: (B, T)
+
+    Returns:
+        Shape: (B, S); 0 for steps that do not exist.
+    """
+    b = values.shape[0]
+    valid = idx >= 0
+    flat = (torch.arange(b, device=idx.device)[:, None] * steps + idx.clamp(min=0))[valid]
+    out = torch.zeros(b * steps, dtype=values.dtype, device=values.device)
+    if reduction == "mean":
+        total = out.index_add(0, flat, values[valid])
+        count = torch.zeros_like(out).index_add(0, flat, torch.ones_like(values[valid]))
+        return (total / count.clamp(min=1.0)).view(b, steps)
+    if reduction == "final_value":  # tokens come in order: the last write per step wins
+        positions = torch.arange(values.shape[1], device=values.device).expand_as(values)[valid]
+        last = torch.full((b * steps,), -1, device=values.device, dtype=torch.long).scatter_reduce(
+            0, flat, positions, "amax"
+        )
+        pick = values[valid][positions == last[flat]]
+        return out.index_copy(0, flat[positions == last[flat]], pick).view(b, steps)
+    raise ValueError(f"turn_value_reduction must be mean or final_value, got {reduction!r}")
+
+
+def step_rewards(
+    turn_rewards: torch.Tensor,
+    idx: torch.Tensor,
+    steps: int,
+    granularity: str,
+    extra: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Rewards per step: per-turn rewards as they are (turn), or each turn's reward on its last
+    token (token). ``extra`` (B,), e.g. a length penalty or KL, is added to the last step.
+
+    Args:
+        turn_rewards: Shape: (B, K)
+        idx: Shape: (B, T)
+
+    Returns:
+        Shape: (B, S)
+    """
+    b = turn_rewards.shape[0]
+    out = torch.zeros(b, steps, dtype=turn_rewards.dtype, device=turn_rewards.device)
+    n_steps = (idx.max(-1).values + 1).clamp(min=0)  # (B,)
+    if granularity == "turn":
+        k = min(steps, turn_rewards.shape[1])
+        out[:, :k] = turn_rewards[:, :k]
+    else:
+        raise_if = turn_rewards.shape[1] > 1 and bool((turn_rewards[:, 1:] != 0).any())
+        if raise_if:
+            raise ValueError(
+                "token-level advantages need single-turn episodes; use advantage_granularity=turn"
+            )
+        rows = torch.arange(b, device=out.device)
+        out[rows, (n_steps - 1).clamp(min=0)] = turn_rewards[:, 0]
+    if extra is not None:
+        rows = torch.arange(b, device=out.device)
+        out[rows, (n_steps - 1).clamp(min=0)] += extra.to(out.dtype)
+    return out * (torch.arange(steps, device=out.device)[None, :] < n_steps[:, None])
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``1 - Var(R - V) / Var(R)`` over valid steps (1: perfect, 0: no better than a constant)."""
+    m = mask.bool()
+    r, v = returns[m].float(), values[m].float()
+    if r.numel() < 2:
+        return torch.zeros((), device=returns.device)
+    var_r = r.var()
+    return torch.where(var_r > 0, 1 - (r - v).var() / var_r.clamp(min=1e-12), torch.zeros_like(var_r))

@@ -1,0 +1,156 @@
+"""The skeleton of offline algorithms (SFT, DPO): a batch of examples, micro-batched, one
+optimizer step, losses normalised over the whole batch. Evaluation: the held-out split of the
+data file, and optionally the env's eval split (greedy / sampled accuracy, like RL runs)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, cast
+
+import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+from rlhf_lightning.algorithms.common import MetricAccumulator, Metrics, adamw_with_schedule
+from rlhf_lightning.algorithms.evaluation import RolloutEvaluation
+from rlhf_lightning.envs.harness import RolloutHarness, RolloutResult
+from rlhf_lightning.envs.trajectory import TrajectoryBatch
+from rlhf_lightning.models.policy import Policy
+from rlhf_lightning.rollout.engine import RolloutEngine, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class OfflineModule(RolloutEvaluation):
+    """Subclasses define :meth:`units` (what a micro-batch is split over), :meth:`normaliser`
+    and :meth:`unit_loss`; and :meth:`eval_outputs` for the held-out data split."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        hp: Any,
+        harness: RolloutHarness | None = None,
+        engine: RolloutEngine | None = None,
+        sampling: SamplingParams | None = None,
+        *,
+        eval_greedy: bool = True,
+        eval_sampled: bool = True,
+        eval_num_samples: int = 1,
+    ) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.strict_loading = False  # trainable weights only, as in RolloutModule
+        self.policy, self.hp = policy, hp
+        self.harness, self.engine = harness, engine
+        self.sampling = sampling or SamplingParams()
+        self.eval_greedy, self.eval_sampled, self.eval_num_samples = (
+            eval_greedy,
+            eval_sampled,
+            eval_num_samples,
+        )
+        self.last_eval_step = -1
+        self._eval_outputs = {}
+        self._warned_static_reference = False
+
+    # ---------------------------------------------------------------- hooks
+    def units(self, batch: TrajectoryBatch) -> int:
+        return len(batch)
+
+    def normaliser(self, batch: TrajectoryBatch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def unit_loss(
+        self, batch: TrajectoryBatch, index: torch.Tensor, norm: torch.Tensor
+    ) -> tuple[torch.Tensor, Metrics]:
+        raise NotImplementedError
+
+    def eval_outputs(self, batch: TrajectoryBatch) -> dict[str, torch.Tensor]:
+        """Per-example values on the held-out split; their means are logged."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- training
+    def training_step(self, batch: TrajectoryBatch, batch_idx: int) -> None:
+        t0 = time.perf_counter()
+        opt = cast(LightningOptimizer, self.optimizers())
+        sched = cast(LRScheduler, self.lr_schedulers())
+        norm = self.normaliser(batch)
+        micro = self.hp.micro_batch_size or self.units(batch)
+        acc = MetricAccumulator()
+        total = torch.zeros((), device=self.device)
+        for index in torch.arange(self.units(batch), device=self.device).split(micro):
+            loss, m = self.unit_loss(batch, index, norm)
+            self.manual_backward(loss)
+            total = total + loss.detach()
+            acc.add(m, weight=float(len(index)))
+        max_norm = self.hp.grad_clip if self.hp.grad_clip is not None else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.trainable_parameters(), max_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        self.maybe_update_reference()
+        metrics = acc.result()
+        metrics.update(
+            {
+                "train/loss": total,
+                "actor/grad_norm": grad_norm.detach(),
+                "actor/lr": torch.tensor(sched.get_last_lr()[0]),
+            }
+        )
+        step_s = time.perf_counter() - t0
+        metrics["perf/step_s"] = torch.tensor(step_s)
+        metrics["perf/tokens_per_s"] = batch.attention_mask.sum().float().cpu() / step_s
+        self.log_metrics({k: v.detach().float().cpu() for k, v in metrics.items()})
+        self.log("loss", total, prog_bar=True, logger=False)
+
+    def maybe_update_reference(self) -> None:
+        """Copy the actor onto the reference adapter every ``ref_update_interval`` steps."""
+        interval = getattr(self.hp, "ref_update_interval", None)
+        if not interval or self.global_step % interval != 0:
+            return
+        if self.policy.reference_adapter is None:
+            if not self._warned_static_reference:
+                log.warning(
+                    "algo.ref_update_interval=%s has no effect: the reference is the base with adapters disabled, "
+                    "which cannot move; set algo.use_separate_reference_adapter=true",
+                    interval,
+                )
+                self._warned_static_reference = True
+            return
+        self.policy.copy_actor_to_reference()
+
+    # ---------------------------------------------------------------- evaluation
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        if dataloader_idx == 1:  # env rows: accuracy as in RL runs
+            super().validation_step(batch, batch_idx)
+            return
+        with torch.no_grad():
+            for key, value in self.eval_outputs(batch).items():
+                self._eval_outputs.setdefault(key, []).append(value.detach().float().cpu())
+
+    def rollout(
+        self, rows: list[int], params: SamplingParams, *, group_size: int, evaluation: bool = False
+    ) -> RolloutResult:
+        if self.harness is None or self.engine is None:
+            raise RuntimeError("env evaluation needs a harness and an engine")
+        return self.harness.rollout(self.engine, rows, params, group_size=group_size, evaluation=evaluation)
+
+    # ---------------------------------------------------------------- optimisation
+    def configure_optimizers(self) -> Any:
+        trainer = self._trainer
+        total = trainer.max_steps if trainer is not None and trainer.max_steps > 0 else None
+        if total is None:
+            total = int(trainer.estimated_stepping_batches) if trainer is not None else 1
+        return adamw_with_schedule(self.policy.trainable_parameters(), self.hp, max(total, 1))
+
+    def token_logprobs(self, sub: TrajectoryBatch, reference: bool = False) -> torch.Tensor:
+        logp, _ = self.policy.token_logprobs(
+            sub.input_ids,
+            sub.attention_mask,
+            sub.action_mask,
+            chunk_rows=self.hp.chunk_rows,
+            reference=reference,
+            prompt_lens=sub.prompt_lens,
+            prefix_ids=sub.prefix_ids,
+        )
+        return logp

@@ -1,0 +1,194 @@
+"""Offline data for SFT and DPO: local files encoded into token-exact trajectories.
+
+An example becomes a :class:`~rlhf_lightning.envs.trajectory.Trajectory` exactly as the rollout
+harness would have built it (chat-templated prompt, then each assistant reply's ids plus the
+end-of-turn token, then the next user turn as the template renders it), so supervised,
+preference and RL stages all train on the same token layout. Assistant tokens are the
+"actions": the only tokens with loss.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from rlhf_lightning.data.files import read_rows, require_columns, split_rows
+from rlhf_lightning.data.prompts import RowDataset
+from rlhf_lightning.envs.harness import ChatFormatter
+from rlhf_lightning.envs.trajectory import Trajectory, TrajectoryBatch, collate
+
+log = logging.getLogger(__name__)
+
+Message = dict[str, str]
+
+
+def encode_conversation(messages: list[Message], formatter: ChatFormatter, group_id: int = 0) -> Trajectory:
+    """Token ids of a conversation; every assistant message (and its end-of-turn token) is an action."""
+    tok = formatter.tokenizer
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
+    if first is None or first == 0:
+        raise ValueError(
+            "a conversation needs at least one message before the first assistant reply, and one reply"
+        )
+    ids = formatter.prompt_ids(messages[:first])
+    prompt_len = len(ids)
+    turns = [-1] * len(ids)
+    turn, i = 0, first
+    while i < len(messages):
+        if messages[i]["role"] == "assistant":
+            reply = tok(messages[i]["content"], add_special_tokens=False).input_ids + [tok.eos_token_id]
+            ids += reply
+            turns += [turn] * len(reply)
+            turn, i = turn + 1, i + 1
+            continue
+        j = i
+        while j < len(messages) and messages[j]["role"] != "assistant":
+            j += 1
+        if j == len(messages):
+            break  # trailing non-assistant messages carry nothing to learn
+        obs = formatter.observation_ids(messages[i:j])
+        ids += obs
+        turns += [-1] * len(obs)
+        i = j
+    text = formatter.prompt_text(messages[:first])
+    return Trajectory(ids, turns, [0.0] * len(ids), [0.0] * turn, group_id, prompt_len, prompt_text=text)
+
+
+def as_messages(prompt: Any, reply: str | None = None) -> list[Message]:
+    msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    return msgs + ([{"role": "assistant", "content": reply}] if reply is not None else [])
+
+
+class SFTDataset(Dataset):
+    """``messages`` rows (chat lists) or ``prompt``/``completion`` rows."""
+
+    def __init__(self, rows: list[dict[str, Any]], formatter: ChatFormatter, keys: dict[str, str]) -> None:
+        self.rows, self.formatter, self.keys = rows, formatter, keys
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> list[Trajectory]:
+        row, k = self.rows[i], self.keys
+        msgs = (
+            row[k["messages"]]
+            if k["messages"] in row
+            else as_messages(row[k["prompt"]], row[k["completion"]])
+        )
+        return [encode_conversation(msgs, self.formatter, group_id=i)]
+
+
+class PreferenceDataset(Dataset):
+    """``prompt``/``chosen``/``rejected`` rows -> (chosen, rejected) trajectories sharing the prompt."""
+
+    def __init__(self, rows: list[dict[str, Any]], formatter: ChatFormatter, keys: dict[str, str]) -> None:
+        self.rows, self.formatter, self.keys = rows, formatter, keys
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> list[Trajectory]:
+        row, k = self.rows[i], self.keys
+        return [
+            encode_conversation(as_messages(row[k["prompt"]], row[k[side]]), self.formatter, group_id=i)
+            for side in ("chosen", "rejected")
+        ]
+
+
+class OfflineCollator:
+    """Lists of trajectories -> one right-padded batch; SFT examples longer than ``max_len`` are
+    dropped and counted (a preference pair is dropped whole)."""
+
+    def __init__(self, pad_token_id: int, max_len: int) -> None:
+        self.pad_token_id, self.max_len = pad_token_id, max_len
+        self.dropped = 0
+
+    def __call__(self, items: list[list[Trajectory]]) -> TrajectoryBatch:
+        kept = [item for item in items if all(len(t.token_ids) <= self.max_len for t in item)]
+        if len(kept) < len(items):
+            self.dropped += len(items) - len(kept)
+            log.warning(
+                "dropped %d example(s) longer than algo.max_len=%d tokens",
+                len(items) - len(kept),
+                self.max_len,
+            )
+        if not kept:
+            raise ValueError(
+                f"every example of this batch is longer than algo.max_len={self.max_len}; raise it"
+            )
+        # Pairs: all chosen first, then all rejected, so that rows i and i + n are a pair.
+        width = len(kept[0])
+        trajs = [item[j] for j in range(width) for item in kept]
+        for g, t in enumerate(trajs):
+            t.group_id = g % len(kept)
+        return collate(trajs, self.pad_token_id)
+
+
+class OfflineDataModule(L.LightningDataModule):
+    """Train/eval splits of an SFT or preference file; optionally env rows for accuracy evals.
+
+    Args:
+        kind: ``sft`` or ``preference``.
+        path, eval_path, eval_fraction: the data files (see :func:`split_rows`).
+        keys: column names (``messages``, ``prompt``, ``completion``, ``chosen``, ``rejected``).
+        env_eval_rows: rows of the env's eval split to evaluate on too (0: none).
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        path: str,
+        formatter: ChatFormatter,
+        keys: dict[str, str],
+        batch_size: int,
+        max_len: int,
+        eval_path: str | None = None,
+        eval_fraction: float = 0.1,
+        env_eval_rows: int = 0,
+        env_eval_batch_size: int = 200,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        rows = read_rows(path, "algo.data_path")
+        eval_rows = read_rows(eval_path, "algo.eval_data_path") if eval_path else None
+        if kind == "preference":
+            required = [keys["prompt"], keys["chosen"], keys["rejected"]]
+        else:
+            required = (
+                [keys["messages"]] if keys["messages"] in rows[0] else [keys["prompt"], keys["completion"]]
+            )
+        require_columns(rows, required, path)
+        self.train_rows, self.eval_rows = split_rows(rows, eval_rows, eval_fraction)
+        cls = PreferenceDataset if kind == "preference" else SFTDataset
+        self.train_set = cls(self.train_rows, formatter, keys)
+        self.eval_set = cls(self.eval_rows, formatter, keys)
+        self.collator = OfflineCollator(formatter.tokenizer.pad_token_id, max_len)
+        self.batch_size, self.seed = batch_size, seed
+        self.env_eval_rows, self.env_eval_batch_size = env_eval_rows, env_eval_batch_size
+
+    def train_dataloader(self) -> DataLoader:
+        gen = torch.Generator().manual_seed(self.seed)
+        return DataLoader(
+            self.train_set,
+            batch_size=self.batch_size,
+            shuffle=True,
+            drop_last=True,
+            generator=gen,
+            collate_fn=self.collator,
+        )
+
+    def val_dataloader(self) -> list[DataLoader]:
+        loaders = [DataLoader(self.eval_set, batch_size=self.batch_size, collate_fn=self.collator)]
+        if self.env_eval_rows:
+            loaders.append(
+                DataLoader(
+                    RowDataset(self.env_eval_rows),
+                    batch_size=self.env_eval_batch_size,
+                    collate_fn=lambda rows: torch.tensor(rows, dtype=torch.long),
+                )
+            )
+        return loaders
