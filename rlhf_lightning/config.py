@@ -179,6 +179,24 @@ class RolloutConfig:
 
 
 @dataclass
+class VLLMRolloutConfig(RolloutConfig):
+    """Colocated vLLM (``rollout=vllm``); see rlhf_lightning/rollout/vllm.py."""
+
+    engine: str = "vllm"
+    dtype: str = "auto"  # the engine's dtype; auto: the checkpoint's
+    max_model_len: int | None = None  # default: env.max_model_len
+    gpu_memory_utilization: float = 0.5  # share of GPU memory for weights + KV cache (GPU)
+    kv_cache_memory_bytes: int | None = None  # explicit KV-cache size; required on CPU (default 64 MiB there)
+    enforce_eager: bool = True
+    enable_prefix_caching: bool = True
+    sleep_mode: bool = True  # free the engine's GPU memory while training (no-op on CPU)
+    sleep_mode_level: int = 1  # 1: keep base weights in host RAM (LoRA sync); 2: discard them (full sync)
+    lora_staging_dir: str | None = None  # default: a temporary directory per rank
+    seed: int | None = None  # default: the run's seed
+    offload_trainer_during_rollout: bool = False  # move the policy to CPU while the engine is awake (GPU)
+
+
+@dataclass
 class EnvConfig:
     _target_: str = MISSING  # the TextEnv class; env.kwargs go to its constructor
     kwargs: dict[str, Any] = field(default_factory=dict)
@@ -285,6 +303,7 @@ def register_configs() -> None:
     cs.store(group="model", name="model_schema", node=ModelConfig)
     cs.store(group="env", name="env_schema", node=EnvConfig)
     cs.store(group="rollout", name="rollout_schema", node=RolloutConfig)
+    cs.store(group="rollout", name="vllm_schema", node=VLLMRolloutConfig)
     cs.store(group="strategy", name="strategy_schema", node=StrategyConfig)
     cs.store(group="logger", name="logger_schema", node=LoggerConfig)
     cs.store(group="trainer", name="trainer_schema", node=TrainerConfig)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 import warnings
 from collections.abc import Sequence
@@ -23,6 +24,7 @@ from rlhf_lightning.data.prompts import PromptDataModule
 from rlhf_lightning.envs.factory import env_factory, split_sizes
 from rlhf_lightning.envs.harness import ChatFormatter, RolloutHarness
 from rlhf_lightning.models.build import build_policy, load_model, load_tokenizer
+from rlhf_lightning.rollout.callback import RolloutEngineCallback
 from rlhf_lightning.rollout.engine import SamplingParams
 from rlhf_lightning.rollout.hf import HFEngine
 from rlhf_lightning.validation import ConfigError, validate
@@ -107,6 +109,34 @@ def finish_wandb() -> None:
             wandb.finish()
 
 
+def build_engine(cfg: DictConfig, policy: Any, pad_token_id: int, eos_token_id: int) -> Any:
+    """The rollout engine: HF ``generate`` on the policy itself, or a colocated vLLM (started lazily)."""
+    r = cfg.rollout
+    if r.engine == "hf":
+        return HFEngine(policy.generation_model, pad_token_id, [eos_token_id], r.max_batch_size)
+    from rlhf_lightning.rollout.vllm import VLLMEngine
+
+    m = cfg.model
+    dtype = r.dtype if r.dtype != "auto" else m.dtype
+    return VLLMEngine(
+        m.path,
+        m.tokenizer_path,
+        dtype=dtype,
+        max_model_len=r.max_model_len or cfg.env.max_model_len,
+        lora_rank=m.lora.r if m.finetune == "lora" else None,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        kv_cache_memory_bytes=r.kv_cache_memory_bytes,
+        enforce_eager=r.enforce_eager,
+        sleep_mode=r.sleep_mode,
+        sleep_mode_level=r.sleep_mode_level,
+        lora_staging_dir=r.lora_staging_dir,
+        seed=r.seed if r.seed is not None else cfg.seed,
+        rank=int(os.environ.get("RANK", 0)),
+        world_size=int(os.environ.get("WORLD_SIZE", 1)),
+        enable_prefix_caching=r.enable_prefix_caching,
+    )
+
+
 def build(cfg: DictConfig, output_dir: Path) -> tuple[L.LightningModule, L.LightningDataModule]:
     """Tokenizer, env, model, engine and LightningModule from a validated config."""
     m, e, r, a = cfg.model, cfg.env, cfg.rollout, cfg.algo
@@ -150,9 +180,7 @@ def build(cfg: DictConfig, output_dir: Path) -> tuple[L.LightningModule, L.Light
         separate_reference=a.use_separate_reference_adapter,
         with_critic=kind == "ppo",
     )
-    engine = HFEngine(
-        policy.generation_model, tokenizer.pad_token_id, [tokenizer.eos_token_id], r.max_batch_size
-    )
+    engine = build_engine(cfg, policy, tokenizer.pad_token_id, tokenizer.eos_token_id)
     sampling = SamplingParams(r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
     hp = OmegaConf.to_object(a)
     evals = {
@@ -235,6 +263,8 @@ def run(cfg: DictConfig, extra_callbacks: Sequence[L.Callback] = ()) -> RunResul
         callbacks.append(SampleTable(cfg.samples.every_n_steps, output_dir))
     if cfg.trainer.enable_progress_bar:
         callbacks.append(RichProgressBar(leave=True))
+    engine_callback = RolloutEngineCallback(getattr(cfg.rollout, "offload_trainer_during_rollout", False))
+    callbacks.append(engine_callback)
     callbacks.extend(extra_callbacks)
     trainer_kwargs = cast(dict[str, Any], OmegaConf.to_container(cfg.trainer, resolve=True))
     trainer = L.Trainer(
@@ -249,6 +279,7 @@ def run(cfg: DictConfig, extra_callbacks: Sequence[L.Callback] = ()) -> RunResul
         if cfg.eval.at_end and module.last_eval_step != trainer.global_step:
             trainer.validate(module, datamodule=dm, verbose=False)
     finally:
+        engine_callback.close(module)
         finish_wandb()
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     log.info(

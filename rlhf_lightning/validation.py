@@ -280,7 +280,21 @@ def validate_grpo(a: DictConfig, rollout: DictConfig) -> None:
 
 
 def validate_rollout(r: DictConfig) -> None:
-    check(r.engine in ("hf",), "rollout.engine", r.engine, "one of hf")
+    check(r.engine in ("hf", "vllm"), "rollout.engine", r.engine, "one of hf, vllm")
+    if r.engine == "vllm":
+        check(r.sleep_mode_level in (1, 2), "rollout.sleep_mode_level", r.sleep_mode_level, "1 or 2")
+        check(
+            0.0 < r.gpu_memory_utilization <= 1.0,
+            "rollout.gpu_memory_utilization",
+            r.gpu_memory_utilization,
+            "a share in (0, 1]",
+        )
+        check(
+            r.kv_cache_memory_bytes is None or r.kv_cache_memory_bytes > 0,
+            "rollout.kv_cache_memory_bytes",
+            r.kv_cache_memory_bytes,
+            "> 0 bytes, or null",
+        )
     check(r.max_new_tokens > 0, "rollout.max_new_tokens", r.max_new_tokens, "a positive number of tokens")
     check(
         r.temperature > 0,

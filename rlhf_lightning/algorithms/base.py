@@ -124,6 +124,7 @@ class RolloutModule(LigerPath, RolloutEvaluation):
         # 1. Rollout: group_size episodes per prompt row, sampled from the current policy.
         result, metrics = self.collect(batch.tolist())
         traj = result.batch.to(self.device)
+        self.rollouts_done()
         t_rollout = time.perf_counter() - t_start
         # 2. Log-probs the update needs, once, without gradients.
         old_logp = self.old_logprobs(traj)  # None: on-policy, the update's own log-probs (detached)
@@ -144,10 +145,14 @@ class RolloutModule(LigerPath, RolloutEvaluation):
         self.warn_on_engine_gap(metrics)
         self.keep_samples(result)
 
-    def rollout(
-        self, rows: list[int], params: SamplingParams, *, group_size: int, evaluation: bool = False
-    ) -> RolloutResult:
-        return self.harness.rollout(self.engine, rows, params, group_size=group_size, evaluation=evaluation)
+    def rollouts_done(self) -> None:
+        """Rollouts are collected: callbacks may put the engine to sleep before training."""
+        if self._trainer is None:
+            return
+        for cb in cast(list, getattr(self.trainer, "callbacks", [])):
+            hook = getattr(cb, "on_rollout_end", None)
+            if hook is not None:
+                hook(self.trainer, self)
 
     def is_on_policy(self, n: int) -> bool:
         """One epoch over one mini-batch: old log-probs equal the current ones (ratio 1)."""

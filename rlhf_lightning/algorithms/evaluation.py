@@ -44,6 +44,9 @@ class RolloutEvaluation(ModuleMixin):
     """
 
     sampling: SamplingParams
+    harness: Any
+    engine: Any
+    policy: Any
     eval_greedy: bool
     eval_sampled: bool
     eval_num_samples: int = 1
@@ -53,7 +56,14 @@ class RolloutEvaluation(ModuleMixin):
     def rollout(
         self, rows: list[int], params: SamplingParams, *, group_size: int, evaluation: bool = False
     ) -> RolloutResult:
-        raise NotImplementedError
+        """Episodes for ``rows`` with the current policy: the engine is synced first (a no-op when
+        nothing changed), so no rollout ever samples stale weights."""
+        if self.harness is None or self.engine is None:
+            raise RuntimeError("rollouts need a harness and an engine")
+        ensure_synced = getattr(self.engine, "ensure_synced", None)
+        if ensure_synced is not None:
+            ensure_synced(self.policy, self.global_step)
+        return self.harness.rollout(self.engine, rows, params, group_size=group_size, evaluation=evaluation)
 
     def on_validation_epoch_start(self) -> None:
         self._eval_outputs = {}

