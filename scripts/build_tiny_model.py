@@ -54,9 +54,9 @@ def write_jsonl(path: Path, seed: int, rows: range) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=TINY_MODEL_DIR)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--target", type=float, default=0.25, help="stop once sampled eval accuracy >= this")
-    ap.add_argument("--max-steps", type=int, default=2000)
+    ap.add_argument("--max-steps", type=int, default=3000)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--eval-every", type=int, default=10)

@@ -44,9 +44,8 @@ class PPOModule(RolloutModule):
         hp = self.hp
         self.levels = self.granularity(traj)
         self.steps_idx, steps = step_index(traj.action_mask, traj.turn_ids, self.levels)
-        with torch.no_grad():
-            self.old_values = self.batched_values(traj)  # (B, T)
-        old_step_v = reduce_to_steps(self.old_values, self.steps_idx, steps, hp.turn_value_reduction)
+        old_values = self.batched_values(traj)  # (B, T), no gradient
+        old_step_v = reduce_to_steps(old_values, self.steps_idx, steps, hp.turn_value_reduction)
         rewards = step_rewards(
             traj.rewards.float(), self.steps_idx, steps, self.levels, extra=returns - traj.returns
         )

@@ -137,7 +137,10 @@ class VLLMEngine:
         if self.lora_rank is not None:
             kwargs.update(enable_lora=True, max_lora_rank=max(self.lora_rank, 8), max_loras=1)
         try:
-            self.llm = vllm.LLM(**kwargs)
+            # Lightning's validation runs under inference mode: an engine built there would hold
+            # inference tensors that later LoRA loads cannot update in place.
+            with torch.inference_mode(False):
+                self.llm = vllm.LLM(**kwargs)
         except RuntimeError as err:
             raise _with_oom_hint(err) from err
         self.asleep = False
@@ -201,7 +204,10 @@ class VLLMEngine:
     def sync_weights(self, model: Any) -> None:
         """LoRA: export the actor adapter and reload the resident slot in place. Full: push all weights."""
         self.wake()
-        policy = model
+        with torch.inference_mode(False):
+            self._sync(model)
+
+    def _sync(self, policy: Any) -> None:
         if self.lora_rank is not None:
             vllm = import_vllm()
             out = policy.save_adapter(self.staging_dir)

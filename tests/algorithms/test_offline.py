@@ -37,11 +37,21 @@ def test_sft_loss_only_on_assistant_tokens(tiny_tokenizer):
     assert tok.decode(t.token_ids) + "\n" == rendered
 
 
-def test_sft_lowers_the_loss_on_the_shipped_data(tmp_path):
+def test_sft_lowers_the_loss_on_the_shipped_data(tmp_path, tiny_tokenizer):
+    # From a freshly initialised tiny model: the shipped checkpoint was already SFT-ed on this task.
+    from rlhf_lightning.models.tiny import build_tiny_model
+
+    torch.manual_seed(0)
+    fresh = tmp_path / "fresh"
+    build_tiny_model(len(tiny_tokenizer)).save_pretrained(fresh)
+    tiny_tokenizer.save_pretrained(fresh)
     cfg = compose_config(
         [
             *QUICK,
             "algo=sft",
+            "model=local",
+            f"model.path={fresh}",
+            "model.finetune=full",
             "algo.batch_size=8",
             "algo.lr=3e-3",
             "trainer.max_steps=12",

@@ -130,3 +130,19 @@ def test_training_with_vllm_rollouts_and_a_multi_turn_env(tmp_path):
     )
     _, trainer = fit_steps(cfg, tmp_path, steps=1, callbacks=[RolloutEngineCallback()])
     assert trainer.callback_metrics["rollout/num_turns"].item() >= 1
+
+
+def test_engine_started_under_inference_mode_still_takes_lora_syncs(tiny_path, tiny_tokenizer):
+    """Lightning validates under torch.inference_mode: the engine may start there."""
+    policy = build_policy(load_model(tiny_path, dtype="float32"), finetune="lora")
+    engine = VLLMEngine(tiny_path, dtype="float32", lora_rank=16)
+    try:
+        with torch.inference_mode():
+            engine.ensure_synced(policy, version=0)
+            engine.generate(prompts(tiny_tokenizer)[:1], SamplingParams(max_new_tokens=2))
+        perturb([p for n, p in policy.named_parameters() if "lora_B" in n])
+        engine.ensure_synced(policy, version=1)  # outside inference mode: used to fail
+        gap, _, _ = engine_vs_trainer(engine, policy, tiny_tokenizer)
+        assert gap < 1e-4
+    finally:
+        engine.shutdown()
