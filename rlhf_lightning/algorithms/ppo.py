@@ -67,18 +67,22 @@ class PPOModule(RolloutModule):
         return token_adv
 
     @torch.no_grad()
+    def values_of(self, sub: TrajectoryBatch) -> torch.Tensor:
+        """The critic's token values ``(b, T')`` for a (micro-)batch."""
+        return self.policy.values(
+            sub.input_ids,
+            sub.attention_mask,
+            sub.action_mask,
+            prompt_lens=sub.prompt_lens,
+            prefix_ids=sub.prefix_ids,
+        )
+
     def batched_values(self, traj: TrajectoryBatch) -> torch.Tensor:
         out = torch.zeros(traj.action_mask.shape, device=self.device)
         micro = self.hp.micro_batch_size or len(traj)
         for index in torch.arange(len(traj), device=self.device).split(micro):
             sub = traj.select(index)
-            v = self.policy.values(
-                sub.input_ids,
-                sub.attention_mask,
-                sub.action_mask,
-                prompt_lens=sub.prompt_lens,
-                prefix_ids=sub.prefix_ids,
-            )
+            v = self.values_of(sub)
             out[index, : v.shape[1]] = v
         return out
 
@@ -130,13 +134,7 @@ class PPOModule(RolloutModule):
         """The clipped value loss of this micro-batch's steps, normalised over the mini-batch's steps."""
         hp = self.hp
         sub = traj.select(index)
-        values = self.policy.values(
-            sub.input_ids,
-            sub.attention_mask,
-            sub.action_mask,
-            prompt_lens=sub.prompt_lens,
-            prefix_ids=sub.prefix_ids,
-        )
+        values = self.values_of(sub)
         steps = self.step_returns.shape[1]
         idx = self.steps_idx[index][:, : values.shape[1]]
         step_v = reduce_to_steps(values, idx, steps, hp.turn_value_reduction)

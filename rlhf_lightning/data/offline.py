@@ -63,14 +63,18 @@ def as_messages(prompt: Any, reply: str | None = None) -> list[Message]:
     return msgs + ([{"role": "assistant", "content": reply}] if reply is not None else [])
 
 
-class SFTDataset(Dataset):
-    """``messages`` rows (chat lists) or ``prompt``/``completion`` rows."""
+class _RowDataset(Dataset):
+    """Rows of a file, encoded on access with the chat formatter; ``keys`` name the columns."""
 
     def __init__(self, rows: list[dict[str, Any]], formatter: ChatFormatter, keys: dict[str, str]) -> None:
         self.rows, self.formatter, self.keys = rows, formatter, keys
 
     def __len__(self) -> int:
         return len(self.rows)
+
+
+class SFTDataset(_RowDataset):
+    """``messages`` rows (chat lists) or ``prompt``/``completion`` rows."""
 
     def __getitem__(self, i: int) -> list[Trajectory]:
         row, k = self.rows[i], self.keys
@@ -82,14 +86,8 @@ class SFTDataset(Dataset):
         return [encode_conversation(msgs, self.formatter, group_id=i)]
 
 
-class PreferenceDataset(Dataset):
+class PreferenceDataset(_RowDataset):
     """``prompt``/``chosen``/``rejected`` rows -> (chosen, rejected) trajectories sharing the prompt."""
-
-    def __init__(self, rows: list[dict[str, Any]], formatter: ChatFormatter, keys: dict[str, str]) -> None:
-        self.rows, self.formatter, self.keys = rows, formatter, keys
-
-    def __len__(self) -> int:
-        return len(self.rows)
 
     def __getitem__(self, i: int) -> list[Trajectory]:
         row, k = self.rows[i], self.keys
