@@ -66,7 +66,6 @@ class PPOModule(RolloutModule):
         token_adv = adv.gather(1, self.steps_idx.clamp(min=0)) * traj.action_mask
         return token_adv
 
-    @torch.no_grad()
     def values_of(self, sub: TrajectoryBatch) -> torch.Tensor:
         """The critic's token values ``(b, T')`` for a (micro-)batch."""
         return self.policy.values(
@@ -77,6 +76,7 @@ class PPOModule(RolloutModule):
             prefix_ids=sub.prefix_ids,
         )
 
+    @torch.no_grad()
     def batched_values(self, traj: TrajectoryBatch) -> torch.Tensor:
         out = torch.zeros(traj.action_mask.shape, device=self.device)
         micro = self.hp.micro_batch_size or len(traj)
