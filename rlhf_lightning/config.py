@@ -155,6 +155,7 @@ class SFTConfig(OfflineConfig):
     module: str = "sft"
     messages_key: str = "messages"  # chat rows; else prompt_key / completion_key
     completion_key: str = "completion"
+    packing: bool = False  # several examples per row of up to max_len tokens (attention kept per example)
 
 
 @dataclass

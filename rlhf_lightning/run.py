@@ -217,6 +217,7 @@ def build(cfg: DictConfig, output_dir: Path) -> tuple[L.LightningModule, L.Light
         env_eval_rows=eval_rows if a.env_eval else 0,
         env_eval_batch_size=cfg.eval.batch_size,
         seed=cfg.seed,
+        packing=bool(getattr(a, "packing", False)),
     )
     return module, dm
 

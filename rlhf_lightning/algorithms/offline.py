@@ -145,5 +145,6 @@ class OfflineModule(RolloutEvaluation):
             reference=reference,
             prompt_lens=sub.prompt_lens,
             prefix_ids=sub.prefix_ids,
+            position_ids=sub.position_ids,
         )
         return logp

@@ -97,12 +97,59 @@ class PreferenceDataset(_RowDataset):
         ]
 
 
+def pack_trajectories(trajs: list[Trajectory], max_len: int) -> tuple[list[Trajectory], list[list[int]]]:
+    """Concatenate examples into rows of at most ``max_len`` tokens (first fit, in order).
+
+    Returns the packed rows and, per row, the lengths of the examples in it.
+    """
+    rows: list[Trajectory] = []
+    lens: list[list[int]] = []
+    for t in trajs:
+        n = len(t.token_ids)
+        for row, seg in zip(rows, lens):
+            if sum(seg) + n <= max_len:
+                row.token_ids += t.token_ids
+                row.action_turn += t.action_turn
+                row.sampling_logps += t.sampling_logps
+                seg.append(n)
+                break
+        else:
+            rows.append(
+                Trajectory(
+                    list(t.token_ids),
+                    list(t.action_turn),
+                    list(t.sampling_logps),
+                    list(t.rewards),
+                    group_id=len(rows),
+                    prompt_len=t.prompt_len,
+                )
+            )
+            lens.append([n])
+    return rows, lens
+
+
+def packed_position_ids(lens: list[list[int]], width: int) -> torch.Tensor:
+    """Positions restarting at 0 for each packed example; padding continues the last one.
+
+    Shape: (len(lens), width). The model attends within runs of consecutive positions only
+    (transformers detects packed rows from ``position_ids`` when no attention mask is given).
+    """
+    rows = []
+    for seg in lens:
+        parts = [torch.arange(n) for n in seg]
+        used = sum(seg)
+        parts.append(torch.arange(seg[-1], seg[-1] + width - used))
+        rows.append(torch.cat(parts))
+    return torch.stack(rows)
+
+
 class OfflineCollator:
     """Lists of trajectories -> one right-padded batch; SFT examples longer than ``max_len`` are
-    dropped and counted (a preference pair is dropped whole)."""
+    dropped and counted (a preference pair is dropped whole). With ``pack``, SFT examples are
+    packed into rows of at most ``max_len`` tokens (:func:`pack_trajectories`)."""
 
-    def __init__(self, pad_token_id: int, max_len: int) -> None:
-        self.pad_token_id, self.max_len = pad_token_id, max_len
+    def __init__(self, pad_token_id: int, max_len: int, pack: bool = False) -> None:
+        self.pad_token_id, self.max_len, self.pack = pad_token_id, max_len, pack
         self.dropped = 0
 
     def __call__(self, items: list[list[Trajectory]]) -> TrajectoryBatch:
@@ -123,7 +170,13 @@ class OfflineCollator:
         trajs = [item[j] for j in range(width) for item in kept]
         for g, t in enumerate(trajs):
             t.group_id = g % len(kept)
-        return collate(trajs, self.pad_token_id)
+        if not (self.pack and width == 1):
+            return collate(trajs, self.pad_token_id)
+        rows, lens = pack_trajectories(trajs, self.max_len)
+        batch = collate(rows, self.pad_token_id)
+        batch.position_ids = packed_position_ids(lens, batch.input_ids.shape[1])
+        batch.prefix_ids = torch.arange(len(rows))  # packed rows never share a prompt pass
+        return batch
 
 
 class OfflineDataModule(L.LightningDataModule):
@@ -149,6 +202,7 @@ class OfflineDataModule(L.LightningDataModule):
         env_eval_rows: int = 0,
         env_eval_batch_size: int = 200,
         seed: int = 0,
+        packing: bool = False,
     ) -> None:
         super().__init__()
         rows = read_rows(path, "algo.data_path")
@@ -165,6 +219,7 @@ class OfflineDataModule(L.LightningDataModule):
         self.train_set = cls(self.train_rows, formatter, keys)
         self.eval_set = cls(self.eval_rows, formatter, keys)
         self.collator = OfflineCollator(formatter.tokenizer.pad_token_id, max_len)
+        self.train_collator = OfflineCollator(formatter.tokenizer.pad_token_id, max_len, pack=packing)
         self.batch_size, self.seed = batch_size, seed
         self.env_eval_rows, self.env_eval_batch_size = env_eval_rows, env_eval_batch_size
 
@@ -176,7 +231,7 @@ class OfflineDataModule(L.LightningDataModule):
             shuffle=True,
             drop_last=True,
             generator=gen,
-            collate_fn=self.collator,
+            collate_fn=self.train_collator,
         )
 
     def val_dataloader(self) -> list[DataLoader]:

@@ -47,6 +47,8 @@ class TrajectoryBatch:
         prompt_lens: (B,), tokens before the first action
         prefix_ids: (B,), rows whose first ``prompt_lens`` tokens are identical share an id
             (the policy runs such a shared prompt once: see ``Policy.token_logprobs``)
+        position_ids: (B, L) for packed rows (several examples per row, positions restarting
+            at each; attention stays within an example), None otherwise
     """
 
     input_ids: torch.Tensor
@@ -60,19 +62,23 @@ class TrajectoryBatch:
     truncated: torch.Tensor
     prompt_lens: torch.Tensor
     prefix_ids: torch.Tensor
+    position_ids: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
     def to(self, device: torch.device | str) -> TrajectoryBatch:
-        return TrajectoryBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        moved: dict[str, Any] = {
+            f.name: _opt(getattr(self, f.name), lambda t: t.to(device)) for f in fields(self)
+        }
+        return TrajectoryBatch(**moved)
 
     def select(self, index: torch.Tensor) -> TrajectoryBatch:
         """Rows ``index``, with the columns trimmed to the longest selected sequence."""
-        sub = {f.name: getattr(self, f.name)[index] for f in fields(self)}
+        sub: dict[str, Any] = {f.name: _opt(getattr(self, f.name), lambda t: t[index]) for f in fields(self)}
         width = int(sub["attention_mask"].sum(-1).max()) if len(index) else 1
-        for name in ("input_ids", "attention_mask"):
-            sub[name] = sub[name][:, :width]
+        for name in ("input_ids", "attention_mask", "position_ids"):
+            sub[name] = _opt(sub[name], lambda t: t[:, :width])
         for name in ("action_mask", "turn_ids", "sampling_logps"):
             sub[name] = sub[name][:, : max(width - 1, 0)]
         return TrajectoryBatch(**sub)
@@ -81,6 +87,10 @@ class TrajectoryBatch:
     def returns(self) -> torch.Tensor:
         """Episode return: the sum of per-turn rewards. Shape: (B,)"""
         return self.rewards.sum(-1)
+
+
+def _opt(value: torch.Tensor | None, fn: Any) -> torch.Tensor | None:
+    return None if value is None else fn(value)
 
 
 def collate(trajectories: list[Trajectory], pad_token_id: int) -> TrajectoryBatch:

@@ -212,6 +212,7 @@ class Policy(nn.Module):
         reference: bool = False,
         prompt_lens: torch.Tensor | None = None,
         prefix_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, Any]:
         """Final hidden states at the action positions (row-major) and the lm head.
 
@@ -222,21 +223,28 @@ class Policy(nn.Module):
             input_ids, attention_mask: right-padded. Shape: (B, L)
             action_mask: True where token t+1 is an action. Shape: (B, L-1)
             prompt_lens, prefix_ids: Shape: (B,), as in ``TrajectoryBatch``.
+            position_ids: packed rows (Shape: (B, L)): positions restart at each example and
+                attention stays within it; the attention mask is then not passed.
 
         Returns:
             (hidden rows of shape (N, H), the output-embedding module holding ``weight``/``bias``)
         """
         shared = None
-        if self.share_prompt and prompt_lens is not None and prefix_ids is not None:
+        if self.share_prompt and prompt_lens is not None and prefix_ids is not None and position_ids is None:
             shared = (prompt_lens, prefix_ids) if _has_shared_prompts(prompt_lens, prefix_ids) else None
         ctx = self.reference_mode() if reference else nullcontext(self.causal_lm)
         with ctx as lm:
             body = lm.get_decoder()
             if shared is not None:
                 rows = shared_prefix_hidden(body, input_ids, attention_mask, action_mask, *shared)
+            elif position_ids is not None:  # packed: the mask follows from the positions
+                hidden = body(
+                    input_ids=input_ids, position_ids=position_ids, use_cache=False
+                ).last_hidden_state
+                rows = hidden[:, :-1][action_mask]
             else:
                 hidden = body(
-                    input_ids=input_ids, attention_mask=attention_mask
+                    input_ids=input_ids, attention_mask=attention_mask, use_cache=False
                 ).last_hidden_state  # (B, L, H)
                 rows = hidden[:, :-1][action_mask]  # (N, H)
             return rows, lm.get_output_embeddings()
@@ -253,6 +261,7 @@ class Policy(nn.Module):
         return_entropy: bool = False,
         prompt_lens: torch.Tensor | None = None,
         prefix_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (and entropies) of the action tokens, 0 elsewhere, through :func:`chunked_logprobs`:
         no (B, L, V) logits tensor is ever built.
@@ -269,6 +278,7 @@ class Policy(nn.Module):
             reference=reference,
             prompt_lens=prompt_lens,
             prefix_ids=prefix_ids,
+            position_ids=position_ids,
         )
         targets = input_ids[:, 1:][action_mask]  # (N,)
         out = chunked_logprobs(

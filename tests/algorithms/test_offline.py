@@ -37,7 +37,8 @@ def test_sft_loss_only_on_assistant_tokens(tiny_tokenizer):
     assert tok.decode(t.token_ids) + "\n" == rendered
 
 
-def test_sft_lowers_the_loss_on_the_shipped_data(tmp_path, tiny_tokenizer):
+@pytest.mark.parametrize("packing", [False, True])
+def test_sft_lowers_the_loss_on_the_shipped_data(tmp_path, tiny_tokenizer, packing):
     # From a freshly initialised tiny model: the shipped checkpoint was already SFT-ed on this task.
     from rlhf_lightning.models.tiny import build_tiny_model
 
@@ -52,6 +53,7 @@ def test_sft_lowers_the_loss_on_the_shipped_data(tmp_path, tiny_tokenizer):
             "model=local",
             f"model.path={fresh}",
             "model.finetune=full",
+            f"algo.packing={packing}",
             "algo.batch_size=8",
             "algo.lr=3e-3",
             "trainer.max_steps=12",
