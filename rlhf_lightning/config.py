@@ -295,6 +295,10 @@ def register_configs() -> None:
     """Store the schemas in Hydra's ConfigStore and register the ``${asset:NAME}`` resolver."""
     if not OmegaConf.has_resolver("asset"):  # ${asset:tiny_arithmetic}: a directory shipped in the package
         OmegaConf.register_new_resolver("asset", lambda name: str(ASSETS / name))
+    if not OmegaConf.has_resolver("or_default"):  # hydra.run.dir follows output_dir when it is set
+        OmegaConf.register_new_resolver(
+            "or_default", lambda value, default: default if value in (None, "") else value
+        )
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
     cs.store(group="algo", name="grpo_schema", node=GRPOConfig)
