@@ -8,6 +8,7 @@ is ever a train problem.
 
 from __future__ import annotations
 
+import functools
 import random
 import re
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ def _bucket(a: int, b: int, op: str) -> int:
     return (a * 131 + b * 17 + (7 if op == "+" else 3)) % EVAL_BUCKETS
 
 
+@functools.lru_cache(maxsize=8192)  # every member of a group resets to the same row
 def make_problem(seed: int, row_index: int, evaluation: bool, min_operand: int, max_operand: int) -> Problem:
     """The problem at ``row_index`` of the train (or eval) split: pure, deterministic."""
     rng = random.Random(f"{seed}:{'eval' if evaluation else 'train'}:{row_index}")

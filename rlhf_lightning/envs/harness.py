@@ -164,18 +164,23 @@ class RolloutHarness:
         """
         envs: list[TextEnv] = []
         trajs: list[Trajectory] = []
-        rendered: dict[str, tuple[str, list[int]]] = {}  # group members usually share their prompt
-        dropped = 0
+        rendered: dict[str, str] = {}  # group members usually share their prompt
+        reset: list[list[tuple[TextEnv, str]]] = []
         for row in rows:
-            group: list[tuple[TextEnv, str, list[int]]] = []
+            reset.append([])
             for _ in range(group_size):
                 env = self.env_factory()
                 obs, _info = env.reset(seed=row, row_index=row, evaluation=evaluation)
                 key = obs if isinstance(obs, str) else json.dumps(obs)
                 if key not in rendered:
-                    text = self.formatter.prompt_text(obs)
-                    rendered[key] = (text, self.tokenizer(text, add_special_tokens=False).input_ids)
-                group.append((env, *rendered[key]))
+                    rendered[key] = self.formatter.prompt_text(obs)
+                reset[-1].append((env, key))
+        texts = list(rendered.values())
+        encoded = self.tokenizer(texts, add_special_tokens=False).input_ids if texts else []
+        token_ids = dict(zip(rendered, encoded))
+        dropped = 0
+        for members in reset:
+            group = [(env, rendered[key], token_ids[key]) for env, key in members]
             if any(len(ids) + params.max_new_tokens > self.max_model_len for _, _, ids in group):
                 dropped += 1
                 continue
@@ -210,9 +215,12 @@ class RolloutHarness:
         live = list(range(len(trajs)))
         for turn in range(self.max_turns):
             completions = engine.generate([trajs[i].token_ids for i in live], replace(params, n=1))
+            replies = self.tokenizer.batch_decode(
+                [c.token_ids for c in completions], skip_special_tokens=True
+            )
             still = []
-            for i, comp in zip(live, completions):
-                going, failed = self._step(envs[i], trajs[i], comp, turn, params.max_new_tokens)
+            for i, comp, text in zip(live, completions, replies):
+                going, failed = self._step(envs[i], trajs[i], comp, text, turn, params.max_new_tokens)
                 errors += failed
                 if going:
                     still.append(i)
@@ -228,13 +236,13 @@ class RolloutHarness:
         return RolloutResult(batch, trajs, metrics)
 
     def _step(
-        self, env: TextEnv, traj: Trajectory, comp: Completion, turn: int, max_new_tokens: int
+        self, env: TextEnv, traj: Trajectory, comp: Completion, text: str, turn: int, max_new_tokens: int
     ) -> tuple[bool, bool]:
-        """Append one generated turn and the env's reply. Returns (episode goes on, the env raised)."""
+        """Append one generated turn (``text``: its decoded ids, for the env only) and the env's
+        reply. Returns (episode goes on, the env raised)."""
         traj.token_ids += comp.token_ids
         traj.action_turn += [turn] * len(comp.token_ids)
         traj.sampling_logps += comp.logprobs
-        text = cast(str, self.tokenizer.decode(comp.token_ids, skip_special_tokens=True))
         traj.completion_text += text if turn == 0 else f"\n[turn {turn}] {text}"
         failed = False
         try:

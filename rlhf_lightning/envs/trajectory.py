@@ -95,21 +95,19 @@ def _opt(value: torch.Tensor | None, fn: Any) -> torch.Tensor | None:
 
 def collate(trajectories: list[Trajectory], pad_token_id: int) -> TrajectoryBatch:
     """Right-pad trajectories into a :class:`TrajectoryBatch`."""
-    b = len(trajectories)
     width = max(len(t.token_ids) for t in trajectories)
-    turns = max(t.num_turns for t in trajectories)
-    input_ids = torch.full((b, width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((b, width), dtype=torch.long)
-    turn_ids = torch.full((b, width), -1, dtype=torch.long)
-    sampling_logps = torch.zeros((b, width), dtype=torch.float32)
-    rewards = torch.zeros((b, max(turns, 1)), dtype=torch.float32)
-    for i, t in enumerate(trajectories):
-        n = len(t.token_ids)
-        input_ids[i, :n] = torch.tensor(t.token_ids, dtype=torch.long)
-        attention_mask[i, :n] = 1
-        turn_ids[i, :n] = torch.tensor(t.action_turn, dtype=torch.long)
-        sampling_logps[i, :n] = torch.tensor(t.sampling_logps, dtype=torch.float32)
-        rewards[i, : t.num_turns] = torch.tensor(t.rewards, dtype=torch.float32)
+    turns = max(max(t.num_turns for t in trajectories), 1)
+    # One tensor per field from padded Python lists: a tensor per trajectory costs more than the rest.
+    lens = [len(t.token_ids) for t in trajectories]
+    input_ids = torch.tensor([t.token_ids + [pad_token_id] * (width - n) for t, n in zip(trajectories, lens)])
+    attention_mask = torch.tensor([[1] * n + [0] * (width - n) for n in lens])
+    turn_ids = torch.tensor([t.action_turn + [-1] * (width - n) for t, n in zip(trajectories, lens)])
+    sampling_logps = torch.tensor(
+        [t.sampling_logps + [0.0] * (width - n) for t, n in zip(trajectories, lens)], dtype=torch.float32
+    )
+    rewards = torch.tensor(
+        [t.rewards + [0.0] * (turns - t.num_turns) for t in trajectories], dtype=torch.float32
+    )
     prefixes: dict[tuple[int, ...], int] = {}
     prefix_ids = [
         prefixes.setdefault(tuple(t.token_ids[: t.prompt_len]), len(prefixes)) for t in trajectories
