@@ -218,8 +218,7 @@ class OfflineDataModule(L.LightningDataModule):
         cls = PreferenceDataset if kind == "preference" else SFTDataset
         self.train_set = cls(self.train_rows, formatter, keys)
         self.eval_set = cls(self.eval_rows, formatter, keys)
-        self.collator = OfflineCollator(formatter.tokenizer.pad_token_id, max_len)
-        self.train_collator = OfflineCollator(formatter.tokenizer.pad_token_id, max_len, pack=packing)
+        self.collator = OfflineCollator(formatter.tokenizer.pad_token_id, max_len, pack=packing)
         self.batch_size, self.seed = batch_size, seed
         self.env_eval_rows, self.env_eval_batch_size = env_eval_rows, env_eval_batch_size
 
@@ -231,7 +230,7 @@ class OfflineDataModule(L.LightningDataModule):
             shuffle=True,
             drop_last=True,
             generator=gen,
-            collate_fn=self.train_collator,
+            collate_fn=self.collator,
         )
 
     def val_dataloader(self) -> list[DataLoader]:

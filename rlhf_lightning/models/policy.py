@@ -237,15 +237,14 @@ class Policy(nn.Module):
             body = lm.get_decoder()
             if shared is not None:
                 rows = shared_prefix_hidden(body, input_ids, attention_mask, action_mask, *shared)
-            elif position_ids is not None:  # packed: the mask follows from the positions
-                hidden = body(
-                    input_ids=input_ids, position_ids=position_ids, use_cache=False
-                ).last_hidden_state
-                rows = hidden[:, :-1][action_mask]
             else:
-                hidden = body(
-                    input_ids=input_ids, attention_mask=attention_mask, use_cache=False
-                ).last_hidden_state  # (B, L, H)
+                # packed rows: the block-diagonal mask follows from the positions
+                mask = (
+                    {"attention_mask": attention_mask}
+                    if position_ids is None
+                    else {"position_ids": position_ids}
+                )
+                hidden = body(input_ids=input_ids, use_cache=False, **mask).last_hidden_state  # (B, L, H)
                 rows = hidden[:, :-1][action_mask]  # (N, H)
             return rows, lm.get_output_embeddings()
 

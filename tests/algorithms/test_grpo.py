@@ -8,6 +8,7 @@ import torch
 
 from rlhf_lightning.losses import AGGREGATION_MODES
 from rlhf_lightning.run import build
+from tests.conftest import fit_steps
 
 
 class GradCapture(L.Callback):
@@ -21,19 +22,7 @@ class GradCapture(L.Callback):
 
 
 def fit(cfg, tmp_path, steps=1, callbacks=()):
-    L.seed_everything(cfg.seed)
-    module, dm = build(cfg, tmp_path)
-    trainer = L.Trainer(
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        callbacks=list(callbacks),
-    )
-    trainer.fit(module, datamodule=dm)
-    return module
+    return fit_steps(cfg, tmp_path, steps, callbacks)[0]
 
 
 @pytest.mark.parametrize("mode", AGGREGATION_MODES)
