@@ -7,13 +7,17 @@ from omegaconf import DictConfig
 
 from rlhf_lightning.config import register_configs
 from rlhf_lightning.run import run
+from rlhf_lightning.validation import ConfigError
 
 register_configs()
 
 
 @hydra.main(version_base=None, config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
-    result = run(cfg)
+    try:
+        result = run(cfg)
+    except ConfigError as err:  # a bad value: the message says which and what is allowed, no traceback
+        raise SystemExit(f"error: {err}") from None
     return result.metrics.get("eval/accuracy_sampled")  # the value an Optuna sweeper would optimise
 
 

@@ -65,32 +65,21 @@ class OptimConfig:
 
 
 @dataclass
-class GRPOConfig(OptimConfig):
-    """The GRPO family (GRPO, CISPO, DAPO, Dr.GRPO, GSPO, RLOO, REINFORCE++): one module."""
+class RolloutAlgoConfig(OptimConfig):
+    """What every rollout algorithm shares: clipping, KL, corrections, batch geometry."""
 
-    name: str = "grpo"
-    module: str = "grpo"
-    # Objective: a name in rlhf_lightning.losses.POLICY_LOSSES; the fields below whose names
-    # match the objective's keyword arguments are passed to it.
-    loss: str = "ppo_clip"
+    # Clipped surrogate bounds (the ratio is clipped to [1 - clip_low, 1 + clip_high]).
     loss_agg_mode: str = "token_mean"
     clip_low: float | None = 0.2
     clip_high: float | None = 0.2
     clip_ratio_c: float | None = None
-    is_level: str = "sequence"  # gspo: pool the ratio per sequence | turn
-    is_pooling: str = "mean"  # gspo: mean (geometric mean) | sum (product of token ratios)
+    is_pooling: str = "mean"  # sequence/turn ratios: mean (geometric mean) | sum (product of token ratios)
     max_len_norm: int | None = None  # seq_mean_token_sum_norm's constant; default rollout.max_new_tokens
-    # Advantages: a name in rlhf_lightning.losses.ADVANTAGE_ESTIMATORS.
-    advantage: str = "grpo"
-    advantage_scale: str = "group"  # grpo: divide by the group | batch std, or none
     whiten_advantages: bool = False
-    advantage_clip: float | None = None  # clip advantages to [-c, c]
-    # DAPO extras (arXiv 2503.14476).
-    dynamic_sampling: bool = False  # drop groups with equal rewards, refill with new prompts
-    max_resample_rounds: int = 3  # refill rounds per step (0: only drop)
-    overlong_buffer: int | None = None  # soft overlong penalty over the last N tokens
+    # DAPO's soft overlong penalty (arXiv 2503.14476), applied to each turn from its own length.
+    overlong_buffer: int | None = None
     overlong_penalty_factor: float = 1.0
-    mask_truncated: bool = False  # truncated completions carry no loss
+    mask_truncated: bool = False  # episodes that reached no terminal state carry no loss
     # KL to the reference policy.
     beta: float = 0.0
     kl_estimator: str = "k3"
@@ -109,22 +98,42 @@ class GRPOConfig(OptimConfig):
     prompts_per_step: int = 16
     mini_batch_size: int | None = None  # per optimizer step; None: the whole rollout batch
     update_epochs: int = 1
-    # Skip rows whose advantage is 0 in forward/backward (the same gradient without a KL loss term).
-    skip_zero_advantage: bool = True
-    use_liger_loss: bool = False  # Liger's fused linear GRPO loss on GPU, where it covers the objective
+    use_liger_loss: bool = False  # Liger's fused linear loss on GPU, for the combinations it covers
 
 
 @dataclass
-class PPOConfig(GRPOConfig):
+class GRPOConfig(RolloutAlgoConfig):
+    """The GRPO family (GRPO, CISPO, DAPO, Dr.GRPO, GSPO, RLOO, REINFORCE++): one module."""
+
+    name: str = "grpo"
+    module: str = "grpo"
+    # Objective: a name in rlhf_lightning.losses.POLICY_LOSSES (its hyper-parameters are bound
+    # explicitly by the loss's own params class).
+    loss: str = "ppo_clip"
+    is_level: str = "sequence"  # gspo: pool the ratio per sequence | turn
+    # Advantages: a group estimator in rlhf_lightning.losses.ADVANTAGE_ESTIMATORS.
+    advantage: str = "grpo"
+    advantage_scale: str = "group"  # grpo: divide by the group | batch std, or none
+    advantage_clip: float | None = None  # clip advantages to [-c, c]
+    # DAPO extras (arXiv 2503.14476).
+    dynamic_sampling: bool = False  # drop groups with equal rewards, refill with new prompts
+    max_resample_rounds: int = 3  # refill rounds per step (0: only drop)
+    # Skip rows whose advantage is 0 in forward/backward (the same gradient without a KL loss term).
+    skip_zero_advantage: bool = True
+
+
+@dataclass
+class PPOConfig(RolloutAlgoConfig):
     """LLM-PPO: a critic adapter with a value head, turn-level GAE (each generated turn is one action)."""
 
     name: str = "ppo"
     module: str = "ppo"
-    advantage: str = "gae"
     gamma: float = 1.0  # discount across turns (or tokens at token granularity)
     gae_lambda: float = 0.95
     advantage_granularity: str = "auto"  # turn | token | auto (token when every episode is single-turn)
-    turn_value_reduction: str = "mean"  # a turn's value from its tokens' values: mean | final_value
+    # A turn's state value from its tokens' values: state (the value before its first action
+    # token: V(s_k)) | mean | final_value (AgileRL's choices; both have seen part of the action)
+    turn_value_reduction: str = "state"
     importance_sampling_level: str = "token"  # token | turn | trajectory | auto (turn when multi-turn)
     vf_coef: float = 0.5
     value_clip: float | None = 0.2
@@ -177,6 +186,11 @@ class RolloutConfig:
     top_k: int = 0
     max_new_tokens: int = 8
     max_batch_size: int | None = None  # completions per generate call; None: all at once
+    # Applied identically by every engine; the model's own generation_config is never merged in.
+    repetition_penalty: float = 1.0  # 1.0: off (CTRL-style: divide positive logits of seen tokens)
+    min_p: float = 0.0  # 0.0: off; keep tokens with p >= min_p * max p
+    stop: list[str] = field(default_factory=list)  # stop strings (the matched text stays in the reply)
+    stop_token_ids: list[int] = field(default_factory=list)  # extra stop ids besides the eos token
 
 
 @dataclass
@@ -301,17 +315,16 @@ def register_configs() -> None:
         )
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
-    cs.store(group="algo", name="grpo_schema", node=GRPOConfig)
-    cs.store(group="algo", name="ppo_schema", node=PPOConfig)
-    cs.store(group="algo", name="sft_schema", node=SFTConfig)
-    cs.store(group="algo", name="dpo_schema", node=DPOConfig)
-    cs.store(group="model", name="model_schema", node=ModelConfig)
-    cs.store(group="env", name="env_schema", node=EnvConfig)
-    cs.store(group="rollout", name="rollout_schema", node=RolloutConfig)
-    cs.store(group="rollout", name="vllm_schema", node=VLLMRolloutConfig)
-    cs.store(group="strategy", name="strategy_schema", node=StrategyConfig)
-    cs.store(group="logger", name="logger_schema", node=LoggerConfig)
-    cs.store(group="trainer", name="trainer_schema", node=TrainerConfig)
-
-
-ALGO_SCHEMAS: dict[str, type] = {"grpo": GRPOConfig, "ppo": PPOConfig, "sft": SFTConfig, "dpo": DPOConfig}
+    # Schemas live outside the option groups (``/schema/<group>/<name>``), so Hydra never offers
+    # them as options; each YAML starts from one.
+    for group, name, node in (
+        ("model", "model", ModelConfig),
+        ("env", "env", EnvConfig),
+        ("rollout", "rollout", RolloutConfig),
+        ("rollout", "vllm", VLLMRolloutConfig),
+        ("strategy", "strategy", StrategyConfig),
+        ("logger", "logger", LoggerConfig),
+        ("trainer", "trainer", TrainerConfig),
+    ):
+        cs.store(group=f"schema/{group}", name=name, node=node)
+    import rlhf_lightning.algorithms  # noqa: F401  (each algorithm family stores its own schema)

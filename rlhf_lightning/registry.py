@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 F = TypeVar("F", bound=Callable)
 
@@ -14,17 +14,26 @@ class Registry(Generic[F]):
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self._entries: dict[str, F] = {}
+        self._meta: dict[str, dict[str, Any]] = {}
 
-    def register(self, name: str) -> Callable[[F], F]:
+    def register(self, name: str, **meta: Any) -> Callable[[F], F]:
+        """Register under ``name``; ``meta`` are facts about the entry (e.g. its params class)."""
+
         def decorator(fn: F) -> F:
             if name in self._entries:
                 raise ValueError(
                     f"{self.kind} {name!r} is already registered (by {self._entries[name].__qualname__})"
                 )
             self._entries[name] = fn
+            self._meta[name] = meta
             return fn
 
         return decorator
+
+    def meta(self, name: str) -> dict[str, Any]:
+        """The facts registered with ``name`` (empty when none)."""
+        self.get(name)
+        return self._meta[name]
 
     def get(self, name: str) -> F:
         try:

@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from omegaconf import DictConfig, OmegaConf
 
-from rlhf_lightning.algorithms import OFFLINE_MODULES, ROLLOUT_MODULES
+from rlhf_lightning.algorithms.spec import get_algorithm
 from rlhf_lightning.callbacks import AdapterExport, SampleTable
 from rlhf_lightning.config import register_configs
 from rlhf_lightning.data.offline import OfflineDataModule
@@ -109,11 +109,17 @@ def finish_wandb() -> None:
             wandb.finish()
 
 
-def build_engine(cfg: DictConfig, policy: Any, pad_token_id: int, eos_token_id: int) -> Any:
+def build_engine(cfg: DictConfig, policy: Any, tokenizer: Any) -> Any:
     """The rollout engine: HF ``generate`` on the policy itself, or a colocated vLLM (started lazily)."""
     r = cfg.rollout
     if r.engine == "hf":
-        return HFEngine(policy.generation_model, pad_token_id, [eos_token_id], r.max_batch_size)
+        return HFEngine(
+            policy.generation_model,
+            tokenizer.pad_token_id,
+            [tokenizer.eos_token_id],
+            r.max_batch_size,
+            tokenizer=tokenizer,
+        )
     from rlhf_lightning.rollout.vllm import VLLMEngine
 
     m = cfg.model
@@ -165,7 +171,8 @@ def build(cfg: DictConfig, output_dir: Path) -> tuple[L.LightningModule, L.Light
         revision=m.revision,
         trust_remote_code=m.trust_remote_code,
     )
-    kind = a.module
+    spec = get_algorithm(a.module)
+    hp = OmegaConf.to_object(a)
     policy = build_policy(
         model,
         finetune=m.finetune,
@@ -173,23 +180,31 @@ def build(cfg: DictConfig, output_dir: Path) -> tuple[L.LightningModule, L.Light
         lora_alpha=m.lora.alpha,
         lora_dropout=m.lora.dropout,
         lora_target_modules=m.lora.target_modules,
-        need_reference=kind == "dpo" or (kind in ROLLOUT_MODULES and a.beta > 0),
+        need_reference=spec.needs_reference(hp),
         gradient_checkpointing=m.gradient_checkpointing,
         adapter_path=m.adapter_path,
         reference_from_checkpoint=m.reference_from_checkpoint,
         separate_reference=a.use_separate_reference_adapter,
-        with_critic=kind == "ppo",
+        with_critic=spec.needs_critic,
     )
-    engine = build_engine(cfg, policy, tokenizer.pad_token_id, tokenizer.eos_token_id)
-    sampling = SamplingParams(r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
-    hp = OmegaConf.to_object(a)
+    engine = build_engine(cfg, policy, tokenizer)
+    sampling = SamplingParams(
+        r.max_new_tokens,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        stop_token_ids=tuple(r.stop_token_ids),
+        stop=tuple(r.stop),
+        repetition_penalty=r.repetition_penalty,
+        min_p=r.min_p,
+    )
     evals = {
         "eval_greedy": cfg.eval.greedy,
         "eval_sampled": cfg.eval.sampled,
         "eval_num_samples": cfg.eval.num_samples,
     }
-    if kind in ROLLOUT_MODULES:
-        module: L.LightningModule = ROLLOUT_MODULES[kind](
+    if spec.data == "online":
+        module: L.LightningModule = spec.module_cls(
             policy,
             harness,
             engine,
@@ -203,10 +218,10 @@ def build(cfg: DictConfig, output_dir: Path) -> tuple[L.LightningModule, L.Light
             train_rows, eval_rows, a.prompts_per_step, cfg.eval.batch_size, seed=cfg.seed
         )
         return module, dm
-    module = OFFLINE_MODULES[kind](policy, hp, harness, engine, sampling, **evals)
+    module = spec.module_cls(policy, hp, harness, engine, sampling, **evals)
     keys = {k: a.get(f"{k}_key", k) for k in ("messages", "prompt", "completion", "chosen", "rejected")}
     dm = OfflineDataModule(
-        "preference" if kind == "dpo" else "sft",
+        spec.offline_kind or "sft",
         a.data_path,
         harness.formatter,
         keys,

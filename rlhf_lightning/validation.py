@@ -7,9 +7,10 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from rlhf_lightning.losses import ADVANTAGE_ESTIMATORS, AGGREGATION_MODES, KL_ESTIMATORS, POLICY_LOSSES
+from rlhf_lightning.ops.liger import liger_unsupported
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOGGERS = ("csv", "tensorboard", "wandb")
@@ -99,11 +100,12 @@ def validate_optim(a: DictConfig) -> None:
     )
 
 
-def validate_ppo(a: DictConfig, model: DictConfig) -> None:
+def validate_ppo(a: DictConfig, cfg: DictConfig) -> None:
+    validate_rollout_algo(a, cfg)
     check(
-        model.finetune == "lora",
+        cfg.model.finetune == "lora",
         "model.finetune",
-        model.finetune,
+        cfg.model.finetune,
         "lora for algo=ppo: the critic is a LoRA adapter on the shared frozen base",
     )
     check(0.0 < a.gamma <= 1.0, "algo.gamma", a.gamma, "a discount in (0, 1]")
@@ -115,10 +117,10 @@ def validate_ppo(a: DictConfig, model: DictConfig) -> None:
         "one of turn, token, auto",
     )
     check(
-        a.turn_value_reduction in ("mean", "final_value"),
+        a.turn_value_reduction in ("state", "mean", "final_value"),
         "algo.turn_value_reduction",
         a.turn_value_reduction,
-        "one of mean, final_value",
+        "one of state (V before the turn's first token), mean, final_value",
     )
     check(
         a.importance_sampling_level in ("token", "turn", "trajectory", "auto"),
@@ -133,7 +135,7 @@ def validate_ppo(a: DictConfig, model: DictConfig) -> None:
     check(a.entropy_coef >= 0, "algo.entropy_coef", a.entropy_coef, ">= 0")
 
 
-def validate_offline(a: DictConfig) -> None:
+def validate_offline(a: DictConfig, cfg: DictConfig) -> None:
     check(
         a.data_path is not None and Path(a.data_path).expanduser().is_file(),
         "algo.data_path",
@@ -149,31 +151,23 @@ def validate_offline(a: DictConfig) -> None:
     check(0.0 < a.eval_fraction < 1.0, "algo.eval_fraction", a.eval_fraction, "in (0, 1)")
     check(a.batch_size >= 1, "algo.batch_size", a.batch_size, "at least 1")
     check(a.max_len > 1, "algo.max_len", a.max_len, "more than 1 token")
-    if a.module == "dpo":
-        check(a.beta > 0, "algo.beta", a.beta, "> 0 (the DPO temperature)")
-        check(a.loss_type in ("sigmoid", "ipo"), "algo.loss_type", a.loss_type, "one of sigmoid, ipo")
-        check(0.0 <= a.label_smoothing < 0.5, "algo.label_smoothing", a.label_smoothing, "in [0, 0.5)")
 
 
-def validate_grpo(a: DictConfig, rollout: DictConfig) -> None:
-    check(a.loss in POLICY_LOSSES, "algo.loss", a.loss, f"one of {', '.join(POLICY_LOSSES.names())}")
+def validate_dpo(a: DictConfig, cfg: DictConfig) -> None:
+    validate_offline(a, cfg)
+    check(a.beta > 0, "algo.beta", a.beta, "> 0 (the DPO temperature)")
+    check(a.loss_type in ("sigmoid", "ipo"), "algo.loss_type", a.loss_type, "one of sigmoid, ipo")
+    check(0.0 <= a.label_smoothing < 0.5, "algo.label_smoothing", a.label_smoothing, "in [0, 0.5)")
+
+
+def validate_rollout_algo(a: DictConfig, cfg: DictConfig) -> None:
+    """What every rollout algorithm shares (batch geometry, clipping, KL, corrections, Liger)."""
+    rollout = cfg.rollout
     check(
         a.loss_agg_mode in AGGREGATION_MODES,
         "algo.loss_agg_mode",
         a.loss_agg_mode,
         f"one of {', '.join(AGGREGATION_MODES)}",
-    )
-    check(
-        a.advantage in ADVANTAGE_ESTIMATORS,
-        "algo.advantage",
-        a.advantage,
-        f"one of {', '.join(ADVANTAGE_ESTIMATORS.names())}",
-    )
-    check(
-        a.advantage_scale in ("group", "batch", "none"),
-        "algo.advantage_scale",
-        a.advantage_scale,
-        "one of group, batch, none",
     )
     check(
         a.kl_estimator in KL_ESTIMATORS,
@@ -230,15 +224,7 @@ def validate_grpo(a: DictConfig, rollout: DictConfig) -> None:
         a.max_len_norm,
         "a positive token count, or null (rollout.max_new_tokens)",
     )
-    check(a.is_level in ("sequence", "turn"), "algo.is_level", a.is_level, "one of sequence, turn")
     check(a.is_pooling in ("mean", "sum"), "algo.is_pooling", a.is_pooling, "one of mean, sum")
-    check(
-        a.advantage_clip is None or a.advantage_clip > 0,
-        "algo.advantage_clip",
-        a.advantage_clip,
-        "> 0, or null",
-    )
-    check(a.max_resample_rounds >= 0, "algo.max_resample_rounds", a.max_resample_rounds, ">= 0")
     check(
         a.overlong_buffer is None or 0 < a.overlong_buffer <= rollout.max_new_tokens,
         "algo.overlong_buffer",
@@ -277,6 +263,58 @@ def validate_grpo(a: DictConfig, rollout: DictConfig) -> None:
         a.offpolicy_seq_threshold,
         "> 0 nats, or null",
     )
+    if a.use_liger_loss:
+        reason = liger_unsupported(a)
+        check(
+            reason is None,
+            "algo.use_liger_loss",
+            True,
+            f"Liger's fused loss does not cover {reason}; set algo.use_liger_loss=false",
+        )
+
+
+def validate_grpo(a: DictConfig, cfg: DictConfig) -> None:
+    validate_rollout_algo(a, cfg)
+    check(a.loss in POLICY_LOSSES, "algo.loss", a.loss, f"one of {', '.join(POLICY_LOSSES.names())}")
+    outcome = [
+        n for n in ADVANTAGE_ESTIMATORS.names() if ADVANTAGE_ESTIMATORS.meta(n).get("kind") == "outcome"
+    ]
+    check(
+        a.advantage in outcome,
+        "algo.advantage",
+        a.advantage,
+        f"one of {', '.join(outcome)} (gae needs a critic: use algo=ppo)",
+    )
+    check(
+        a.advantage_scale in ("group", "batch", "none"),
+        "algo.advantage_scale",
+        a.advantage_scale,
+        "one of group, batch, none",
+    )
+    check(a.is_level in ("sequence", "turn"), "algo.is_level", a.is_level, "one of sequence, turn")
+    check(
+        a.advantage_clip is None or a.advantage_clip > 0,
+        "algo.advantage_clip",
+        a.advantage_clip,
+        "> 0, or null",
+    )
+    check(a.max_resample_rounds >= 0, "algo.max_resample_rounds", a.max_resample_rounds, ">= 0")
+    if not POLICY_LOSSES.meta(a.loss).get("uses_ratio", True):
+        rollout_batch = a.prompts_per_step * a.group_size
+        check(
+            a.update_epochs == 1,
+            "algo.update_epochs",
+            a.update_epochs,
+            f"1 with algo.loss={a.loss}: it has no importance ratio, so a second epoch would follow an "
+            "uncorrected off-policy gradient; use a clipped objective (ppo_clip, cispo) for more epochs",
+        )
+        check(
+            a.mini_batch_size is None or a.mini_batch_size == rollout_batch,
+            "algo.mini_batch_size",
+            a.mini_batch_size,
+            f"null (one update per rollout batch) with algo.loss={a.loss}: later mini-batches would be "
+            "off-policy without an importance ratio",
+        )
 
 
 def validate_rollout(r: DictConfig) -> None:
@@ -305,6 +343,19 @@ def validate_rollout(r: DictConfig) -> None:
     check(0.0 < r.top_p <= 1.0, "rollout.top_p", r.top_p, "in (0, 1]")
     check(r.top_k >= 0, "rollout.top_k", r.top_k, ">= 0 (0 disables top-k)")
     check(
+        r.repetition_penalty > 0,
+        "rollout.repetition_penalty",
+        r.repetition_penalty,
+        "> 0 (1.0 disables it)",
+    )
+    check(0.0 <= r.min_p < 1.0, "rollout.min_p", r.min_p, "in [0, 1) (0 disables it)")
+    check(
+        all(isinstance(s, str) and s for s in r.stop),
+        "rollout.stop",
+        list(r.stop),
+        "a list of non-empty stop strings",
+    )
+    check(
         r.max_batch_size is None or r.max_batch_size > 0,
         "rollout.max_batch_size",
         r.max_batch_size,
@@ -331,20 +382,86 @@ def check_known_keys(node: Any, prefix: str = "") -> None:
             check_known_keys(node._get_node(key), f"{prefix}{key}.")
 
 
+def typed_algo(cfg: DictConfig) -> Any:
+    """The family of ``cfg.algo`` (its spec), with ``cfg.algo`` typed by the family's schema.
+
+    A YAML that does not start from the schema (e.g. a family defined outside this package)
+    is merged into it here, so unknown keys and wrong types still fail with the field named.
+    """
+    from rlhf_lightning.algorithms.spec import get_algorithm
+
+    try:
+        spec = get_algorithm(str(cfg.algo.module))
+    except KeyError as err:
+        raise ConfigError("algo.module", cfg.algo.get("module"), str(err.args[0])) from None
+    if OmegaConf.get_type(cfg.algo) is not spec.schema:
+        try:
+            merged = OmegaConf.merge(OmegaConf.structured(spec.schema), cfg.algo)
+        except Exception as err:  # omegaconf's ValidationError / ConfigKeyError name the key
+            raise ConfigError(
+                "algo", cfg.algo.get("name"), f"does not fit {spec.schema.__name__}: {err}"
+            ) from None
+        with open_dict(cfg):
+            cfg.algo = merged
+    return spec
+
+
+def validate_trainer(t: DictConfig) -> None:
+    check(
+        t.max_steps > 0 or (t.max_steps == -1 and t.max_epochs is not None and t.max_epochs > 0),
+        "trainer.max_steps",
+        t.max_steps,
+        "a positive number of optimizer steps, or -1 together with trainer.max_epochs > 0 (a run needs an end)",
+    )
+    v = t.val_check_interval
+    check(
+        v is None
+        or (isinstance(v, int) and not isinstance(v, bool) and v > 0)
+        or (isinstance(v, float) and 0.0 < v <= 1.0),
+        "trainer.val_check_interval",
+        v,
+        "a positive number of training steps, a fraction of an epoch in (0, 1], or null",
+    )
+
+
+def validate_reference(a: DictConfig, cfg: DictConfig, spec: Any) -> None:
+    """``algo.ref_update_interval`` moves a separate reference adapter that the algorithm uses."""
+    if a.ref_update_interval is None:
+        return
+    check(
+        spec.needs_reference(a),
+        "algo.ref_update_interval",
+        a.ref_update_interval,
+        f"null: algo.module={a.module} does not use a reference here (e.g. algo.beta=0)",
+    )
+    check(
+        cfg.model.finetune == "lora" and a.use_separate_reference_adapter,
+        "algo.ref_update_interval",
+        a.ref_update_interval,
+        "null, or set algo.use_separate_reference_adapter=true with model.finetune=lora: the default "
+        "reference (the base with adapters disabled) cannot move",
+    )
+
+
 def validate(cfg: DictConfig) -> None:
     """Check the composed config; raises :class:`ConfigError` on the first invalid value."""
     check_known_keys(cfg)
+    spec = typed_algo(cfg)
     validate_model(cfg.model)
     validate_rollout(cfg.rollout)
+    validate_trainer(cfg.trainer)
     a = cfg.algo
-    check(a.module in ("grpo", "ppo", "sft", "dpo"), "algo.module", a.module, "one of grpo, ppo, sft, dpo")
     validate_optim(a)
-    if a.module in ("grpo", "ppo"):
-        validate_grpo(a, cfg.rollout)
-    if a.module == "ppo":
-        validate_ppo(a, cfg.model)
-    if a.module in ("sft", "dpo"):
-        validate_offline(a)
+    spec.validate(a, cfg)
+    validate_reference(a, cfg, spec)
+    if spec.data == "online" and cfg.model.finetune == "lora":
+        check(
+            cfg.model.lora.dropout == 0.0,
+            "model.lora.dropout",
+            cfg.model.lora.dropout,
+            f"0 for algo.module={a.module}: dropout makes the trainer's log-probs differ from the "
+            "sampler's (on-policy ratios != 1); LoRA dropout applies to SFT and DPO only",
+        )
     e = cfg.env
     check(e.max_turns >= 1, "env.max_turns", e.max_turns, "at least 1")
     check(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
@@ -99,6 +100,28 @@ BAD = [
     ("model.finetune=qlora", "model.finetune='qlora'", "one of lora, full"),
     ("model.dtype=fp8", "model.dtype='fp8'", "one of auto"),
     ("env.max_model_len=4", "env.max_model_len=4", "more than rollout.max_new_tokens"),
+    # accepted and then ignored, or crashing mid-run, before start-up checks existed (issue 11)
+    ("algo.advantage=gae", "algo.advantage='gae'", "gae needs a critic: use algo=ppo"),
+    ("algo.loss=reinforce algo.update_epochs=2", "algo.update_epochs=2", "no importance ratio"),
+    (
+        "algo=rloo algo.mini_batch_size=64",
+        "algo.mini_batch_size=64",
+        "off-policy without an importance ratio",
+    ),
+    ("trainer.max_steps=-1", "trainer.max_steps=-1", "a run needs an end"),
+    ("trainer.val_check_interval=0", "trainer.val_check_interval=0", "a positive number of training steps"),
+    ("trainer.val_check_interval=1.5", "trainer.val_check_interval=1.5", "a fraction of an epoch in (0, 1]"),
+    ("model.lora.dropout=0.1", "model.lora.dropout=0.1", "LoRA dropout applies to SFT and DPO only"),
+    ("algo.use_liger_loss=true algo.mask_truncated=true", "algo.use_liger_loss=True", "mask_truncated"),
+    (
+        "algo.use_liger_loss=true algo.offpolicy_seq_threshold=1.0",
+        "algo.use_liger_loss=True",
+        "off-policy masks",
+    ),
+    ("algo=ppo algo.use_liger_loss=true", "algo.use_liger_loss=True", "no critic or entropy term"),
+    ("algo=ppo algo.turn_value_reduction=max", "algo.turn_value_reduction='max'", "one of state"),
+    ("rollout.repetition_penalty=0", "rollout.repetition_penalty=0.0", "> 0"),
+    ("rollout.min_p=1.0", "rollout.min_p=1.0", "in [0, 1)"),
 ]
 
 
@@ -109,6 +132,48 @@ def test_invalid_values_name_field_value_and_allowed(overrides, field, allowed):
         validate(cfg)
     assert f"invalid config: {field}:" in str(err.value)
     assert allowed in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["algo=ppo", "algo.loss=cispo"], "loss"),  # PPO's objective is PPO-clip (or GSPO's pooled ratio)
+        (["algo=ppo", "algo.dynamic_sampling=true"], "dynamic_sampling"),
+        (["algo=ppo", "algo.skip_zero_advantage=true"], "skip_zero_advantage"),
+        (["algo=sft", "algo.group_size=4"], "group_size"),
+    ],
+)
+def test_fields_another_family_owns_are_not_accepted(overrides, key):
+    with pytest.raises(ConfigCompositionException) as err:
+        compose_config(overrides)
+    assert f"Key '{key}' not in" in str(err.value.__cause__)
+
+
+def test_schemas_are_not_offered_as_options():
+    from hydra.errors import MissingConfigException
+
+    for group, schema in (("algo", "grpo_schema"), ("model", "model_schema"), ("rollout", "vllm_schema")):
+        with pytest.raises(MissingConfigException):
+            compose_config([f"{group}={schema}"])
+
+
+def test_lora_dropout_is_active_for_offline_training(tiny_model):
+    from rlhf_lightning.models.build import build_policy
+
+    policy = build_policy(tiny_model, lora_dropout=0.5)
+    policy.train()
+    with torch.no_grad():  # LoRA's B starts at 0: give the adapter an effect dropout can change
+        for p in policy.trainable_parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    ids = torch.randint(3, 200, (2, 12))
+    attn, action = torch.ones_like(ids), torch.ones(2, 11, dtype=torch.bool)
+    torch.manual_seed(0)
+    a, _ = policy.token_logprobs(ids, attn, action)
+    b, _ = policy.token_logprobs(ids, attn, action)
+    assert not torch.equal(a, b)  # LoRA dropout is on in training mode
+    ref1, _ = policy.token_logprobs(ids, attn, action, reference=True)
+    ref2, _ = policy.token_logprobs(ids, attn, action, reference=True)
+    assert torch.equal(ref1, ref2)  # the base's own dropout stays off
 
 
 def test_model_dir_without_config_json(tmp_path):

@@ -1,4 +1,5 @@
-"""LightningModules, one per algorithm family, keyed by ``algo.module``."""
+"""LightningModules, one per algorithm family; importing a family's module registers its
+:class:`~rlhf_lightning.algorithms.spec.AlgorithmSpec` under its ``algo.module`` name."""
 
 from rlhf_lightning.algorithms.base import RolloutModule
 from rlhf_lightning.algorithms.dpo import DPOModule
@@ -6,16 +7,17 @@ from rlhf_lightning.algorithms.grpo import GRPOModule
 from rlhf_lightning.algorithms.offline import OfflineModule
 from rlhf_lightning.algorithms.ppo import PPOModule
 from rlhf_lightning.algorithms.sft import SFTModule
-
-ROLLOUT_MODULES: dict[str, type[RolloutModule]] = {"grpo": GRPOModule, "ppo": PPOModule}
-OFFLINE_MODULES: dict[str, type[OfflineModule]] = {"sft": SFTModule, "dpo": DPOModule}
+from rlhf_lightning.algorithms.spec import ALGORITHMS, AlgorithmSpec, get_algorithm, register_algorithm
 
 __all__ = [
-    "OFFLINE_MODULES",
-    "ROLLOUT_MODULES",
+    "ALGORITHMS",
+    "AlgorithmSpec",
     "DPOModule",
     "GRPOModule",
+    "OfflineModule",
     "PPOModule",
     "RolloutModule",
     "SFTModule",
+    "get_algorithm",
+    "register_algorithm",
 ]

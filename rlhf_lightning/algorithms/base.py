@@ -6,8 +6,9 @@
          -> for epoch, mini-batch, micro-batch: loss -> manual_backward -> clip -> step
          -> namespaced metrics
 
-Subclasses override :meth:`compute_advantages` and :meth:`policy_loss` (and may add terms
-through :meth:`extra_loss`, or change how rollouts are collected); the rest lives here once.
+Subclasses override :meth:`compute_advantages` and :meth:`policy_term` (and may add a critic
+through :meth:`critic_term`, or change how rollouts are collected); the loss of a micro-batch
+is one :class:`~rlhf_lightning.algorithms.objective.Objective`; the rest lives here once.
 """
 
 from __future__ import annotations
@@ -17,16 +18,23 @@ import time
 from typing import Any, cast
 
 import torch
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from rlhf_lightning.algorithms.common import MetricAccumulator, Metrics, adamw_with_schedule
 from rlhf_lightning.algorithms.evaluation import RolloutEvaluation
-from rlhf_lightning.algorithms.liger_path import LigerPath
+from rlhf_lightning.algorithms.liger_path import LigerObjective, use_liger
+from rlhf_lightning.algorithms.objective import (
+    CriticTerm,
+    KLTerm,
+    MicroBatch,
+    Objective,
+    PolicyObjective,
+    PolicyTerm,
+)
 from rlhf_lightning.envs.harness import RolloutHarness, RolloutResult
 from rlhf_lightning.envs.trajectory import TrajectoryBatch
-from rlhf_lightning.losses import aggregate, kl
-from rlhf_lightning.losses.corrections import offpolicy_mask, overlong_penalty, truncated_importance_weights
+from rlhf_lightning.losses import kl
+from rlhf_lightning.losses.corrections import offpolicy_mask, overlong_penalty
 from rlhf_lightning.losses.kl import kl_penalized_returns, kl_shaped_advantages
 from rlhf_lightning.losses.masked import masked_mean
 from rlhf_lightning.models.policy import Policy
@@ -42,7 +50,7 @@ def _rows(x: torch.Tensor | None, index: torch.Tensor, width: int) -> torch.Tens
     return None if x is None else x[index][:, :width]
 
 
-class RolloutModule(LigerPath, RolloutEvaluation):
+class RolloutModule(RolloutEvaluation):
     """The rollout-algorithm skeleton (manual optimization).
 
     Args:
@@ -90,33 +98,63 @@ class RolloutModule(LigerPath, RolloutEvaluation):
         self._eval_outputs = {}
         self._warned_gap_at = -(10**9)
         self.use_liger = False
+        self.objective: Objective | None = None
 
     # ---------------------------------------------------------------- hooks for subclasses
-    def compute_advantages(self, traj: TrajectoryBatch, returns: torch.Tensor) -> torch.Tensor:
-        """Advantages per trajectory (B,) or per token (B, L-1) from (shaped) episode returns (B,)."""
+    def compute_advantages(
+        self, traj: TrajectoryBatch, rewards: torch.Tensor, returns: torch.Tensor
+    ) -> torch.Tensor:
+        """Advantages per trajectory (B,) or per token (B, L-1) from the shaped per-turn rewards
+        (B, K) and episode returns (B,) (their sum, plus a KL penalty in ``kl_mode=reward``)."""
         raise NotImplementedError
 
-    def policy_loss(
-        self,
-        logp: torch.Tensor,
-        old_logp: torch.Tensor,
-        adv: torch.Tensor,
-        mask: torch.Tensor,
-        turn_ids: torch.Tensor,
-    ) -> tuple[torch.Tensor, Metrics]:
-        """Per-token policy loss (B, T) and detached metrics."""
+    def policy_term(self) -> PolicyTerm:
+        """The policy-gradient term of the objective, its hyper-parameters bound."""
         raise NotImplementedError
 
-    def extra_loss(
-        self, traj: TrajectoryBatch, index: torch.Tensor, norm: dict[str, Any]
-    ) -> tuple[torch.Tensor, Metrics]:
-        """Additional scalar loss for a micro-batch (e.g. a critic's value loss). It may also
-        back-propagate a term itself and return zero (a separate pass saves activation memory)."""
-        return torch.zeros((), device=self.device), {}
+    def critic_term(self) -> CriticTerm | None:
+        """A critic trained with the actor (PPO), or None."""
+        return None
+
+    def entropy_coef(self) -> float:
+        return 0.0
 
     def collect(self, rows: list[int]) -> tuple[RolloutResult, Metrics]:
         """Training rollouts for ``rows`` (GRPO's dynamic sampling overrides this)."""
         return self.rollout(rows, self.sampling, group_size=self.hp.group_size), {}
+
+    def on_fit_start(self) -> None:
+        self.objective = self.build_objective()
+
+    def build_objective(self) -> Objective:
+        """The micro-batch loss: Liger's fused kernel (GPU, ``algo.use_liger_loss``) or ours."""
+        hp = self.hp
+        tis_cap = hp.tis_cap if hp.old_logprobs_source == "trainer" else None
+        self.use_liger = use_liger(hp, self.device)
+        if self.use_liger:
+            world = self.trainer.world_size if self._trainer is not None else 1
+            return LigerObjective(
+                hp,
+                temperature=self.sampling.temperature,
+                chunk_rows=hp.chunk_rows,
+                max_len=self.max_len_norm,
+                tis_cap=tis_cap,
+                world_size=world,
+            )
+        kl_term = None
+        if hp.beta > 0 and hp.kl_mode == "loss":
+            kl_term = KLTerm(hp.beta, hp.kl_estimator, hp.kl_clamp, hp.kl_importance_weighted)
+        return PolicyObjective(
+            self.policy_term(),
+            agg_mode=hp.loss_agg_mode,
+            max_len=self.max_len_norm,
+            temperature=self.sampling.temperature,
+            chunk_rows=hp.chunk_rows,
+            kl_term=kl_term,
+            entropy_coef=self.entropy_coef(),
+            tis_cap=tis_cap,
+            critic=self.critic_term(),
+        )
 
     # ---------------------------------------------------------------- the training step
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
@@ -183,28 +221,29 @@ class RolloutModule(LigerPath, RolloutEvaluation):
             return None
         return self.batched_logprobs(traj)
 
-    @torch.no_grad()
     def batched_logprobs(self, traj: TrajectoryBatch, reference: bool = False) -> torch.Tensor:
-        """No-grad log-probs of every action token, micro-batch by micro-batch. Shape: (B, L-1)"""
+        """No-grad log-probs of every action token. Shape: (B, L-1)"""
+        return self.batched_heads(traj, "logp", reference=reference)
+
+    @torch.no_grad()
+    def batched_heads(self, traj: TrajectoryBatch, head: str, reference: bool = False) -> torch.Tensor:
+        """One no-grad head (``logp`` or ``value``) for the whole batch, micro-batch by micro-batch.
+
+        Returns:
+            Shape: (B, L-1)
+        """
         out = torch.zeros(traj.action_mask.shape, device=self.device)
         micro = self.hp.micro_batch_size or len(traj)
         for index in torch.arange(len(traj), device=self.device).split(micro):
-            logp = self.token_logprobs(traj.select(index), reference=reference)
-            out[index, : logp.shape[1]] = logp.float()
+            value = self.policy.forward_heads(
+                traj.select(index),
+                (head,),
+                temperature=self.sampling.temperature,
+                chunk_rows=self.hp.chunk_rows,
+                reference=reference,
+            )[head]
+            out[index, : value.shape[1]] = value.float()
         return out
-
-    def token_logprobs(self, sub: TrajectoryBatch, reference: bool = False) -> torch.Tensor:
-        logp, _ = self.policy.token_logprobs(
-            sub.input_ids,
-            sub.attention_mask,
-            sub.action_mask,
-            temperature=self.sampling.temperature,
-            chunk_rows=self.hp.chunk_rows,
-            reference=reference,
-            prompt_lens=sub.prompt_lens,
-            prefix_ids=sub.prefix_ids,
-        )
-        return logp
 
     # ---------------------------------------------------------------- scoring
     def score(
@@ -212,14 +251,18 @@ class RolloutModule(LigerPath, RolloutEvaluation):
     ) -> tuple[torch.Tensor, torch.Tensor, Metrics]:
         """Shaped returns -> advantages, and the loss mask (action tokens that count)."""
         hp, metrics = self.hp, {}
-        returns = traj.returns.float()
+        rewards = traj.rewards.float()  # (B, K)
         if hp.overlong_buffer:
-            lengths = traj.action_mask.sum(-1)
+            # Each turn from its own length: the cap is per turn (rollout.max_new_tokens).
             penalty = overlong_penalty(
-                lengths, self.sampling.max_new_tokens, hp.overlong_buffer, hp.overlong_penalty_factor
-            )
-            returns = returns + penalty
-            metrics["rollout/overlong_penalty"] = penalty.mean()
+                traj.turn_lengths,
+                self.sampling.max_new_tokens,
+                hp.overlong_buffer,
+                hp.overlong_penalty_factor,
+            ) * (traj.turn_lengths > 0)
+            rewards = rewards + penalty
+            metrics["rollout/overlong_penalty"] = penalty.sum(-1).mean()
+        returns = rewards.sum(-1)
         kl_tokens = None
         if ref_logp is not None and hp.kl_mode != "loss":
             behaviour = old_logp if old_logp is not None else traj.sampling_logps
@@ -227,7 +270,7 @@ class RolloutModule(LigerPath, RolloutEvaluation):
             metrics["actor/kl"] = masked_mean(kl_tokens, traj.action_mask)
             if hp.kl_mode == "reward":
                 returns = kl_penalized_returns(returns, kl_tokens, traj.action_mask, hp.beta)
-        adv = self.compute_advantages(traj, returns)
+        adv = self.compute_advantages(traj, rewards, returns)
         if kl_tokens is not None and hp.kl_mode == "advantage":
             adv = kl_shaped_advantages(adv, kl_tokens, traj.action_mask, hp.beta)
         mask = traj.action_mask
@@ -258,7 +301,6 @@ class RolloutModule(LigerPath, RolloutEvaluation):
         old_logp: torch.Tensor | None,
         ref_logp: torch.Tensor | None,
     ) -> Metrics:
-        opt = cast(LightningOptimizer, self.optimizers())
         sched = cast(LRScheduler, self.lr_schedulers())
         n = len(traj)
         mini = self.mini_batch_size(n)
@@ -266,7 +308,8 @@ class RolloutModule(LigerPath, RolloutEvaluation):
         # Rows whose advantage is 0 everywhere add no gradient unless a KL loss term is used.
         seq_adv = (adv if adv.dim() == 1 else (adv * loss_mask).abs().sum(-1)) * loss_mask.any(-1)
         kl_in_loss = self.hp.beta > 0 and self.hp.kl_mode == "loss"
-        skip_zero = self.hp.skip_zero_advantage and not kl_in_loss and self.can_skip_zero_advantage()
+        skip_zero = not kl_in_loss and self.can_skip_zero_advantage()
+        actor = self.actor_loss_enabled()
         acc = MetricAccumulator()
         for _ in range(self.hp.update_epochs):
             order = torch.randperm(n, device=self.device) if n > mini else torch.arange(n, device=self.device)
@@ -277,33 +320,25 @@ class RolloutModule(LigerPath, RolloutEvaluation):
                 mb_loss = torch.zeros((), device=self.device)
                 mb_actor = torch.zeros((), device=self.device)
                 for index in run.split(micro) if len(run) else ():
-                    loss, m = self.micro_step(traj, adv, loss_mask, old_logp, ref_logp, index, norm)
+                    loss, m = self.micro_step(traj, adv, loss_mask, old_logp, ref_logp, index, norm, actor)
                     self.manual_backward(loss)
                     mb_loss = mb_loss + loss.detach()
                     mb_actor = mb_actor + m.pop("actor/loss_part", torch.zeros((), device=self.device))
                     acc.add(m, weight=loss_mask[index].sum())
-                acc.add({"actor/loss": mb_actor, "train/loss": mb_loss, **self.clip_gradients_()})
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                sched.step()
+                grad_metrics = self.optimizer_step_()
+                acc.add({"actor/loss": mb_actor, "train/loss": mb_loss, **grad_metrics})
         out = acc.result()
         out["actor/lr"] = torch.tensor(sched.get_last_lr()[0])
         out["actor/skipped_rows_frac"] = (seq_adv == 0).float().mean() if skip_zero else torch.zeros(())
         return {k: v.detach().float().cpu() for k, v in out.items()}
-
-    def clip_gradients_(self) -> Metrics:
-        """Clip the accumulated gradients (``algo.grad_clip``); returns the norm(s) before clipping."""
-        max_norm = self.hp.grad_clip if self.hp.grad_clip is not None else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.trainable_parameters(), max_norm)
-        return {"actor/grad_norm": grad_norm.detach()}
 
     def actor_loss_enabled(self) -> bool:
         """False while only a critic trains (PPO's critic warm-up)."""
         return True
 
     def can_skip_zero_advantage(self) -> bool:
-        """Whether a row with zero advantage adds no gradient (false once e.g. an entropy bonus is added)."""
-        return True
+        """Whether rows with zero advantage may be left out of forward/backward (same gradient)."""
+        return False
 
     def normalisers(self, mask: torch.Tensor, rows: torch.Tensor) -> dict[str, Any]:
         """:func:`aggregate`'s denominators for a mini-batch (``mask`` = its loss mask, ``rows`` its indices).
@@ -332,64 +367,22 @@ class RolloutModule(LigerPath, RolloutEvaluation):
         ref_logp: torch.Tensor | None,
         index: torch.Tensor,
         norm: dict[str, Any],
+        actor: bool = True,
     ) -> tuple[torch.Tensor, Metrics]:
         """The loss of one micro-batch, already normalised for the whole mini-batch."""
-        hp = self.hp
+        if self.objective is None:
+            self.objective = self.build_objective()
         sub = traj.select(index)
         width = sub.action_mask.shape[1]
-        mask = loss_mask[index][:, :width]
-        if not self.actor_loss_enabled():
-            return self.extra_loss(traj, index, norm)
-        if self.use_liger:
-            return self.liger_micro_step(
-                sub, adv[index], mask, _rows(old_logp, index, width), _rows(ref_logp, index, width), norm
-            )
-        entropy_coef = getattr(hp, "entropy_coef", 0.0)
-        logp, entropy = self.policy.token_logprobs(
-            sub.input_ids,
-            sub.attention_mask,
-            sub.action_mask,
-            temperature=self.sampling.temperature,
-            chunk_rows=hp.chunk_rows,
-            return_entropy=entropy_coef > 0,
-            prompt_lens=sub.prompt_lens,
-            prefix_ids=sub.prefix_ids,
+        mb = MicroBatch(
+            sub=sub,
+            index=index,
+            adv=adv[index] if adv.dim() == 1 else adv[index][:, :width],
+            mask=loss_mask[index][:, :width],
+            old_logp=_rows(old_logp, index, width),
+            ref_logp=_rows(ref_logp, index, width) if self.hp.kl_mode == "loss" else None,
         )
-        old = _rows(old_logp, index, width)
-        trainer_old = logp.detach() if old is None else old
-        a = adv[index] if adv.dim() == 1 else adv[index][:, :width]
-        per_token, m = self.policy_loss(logp, trainer_old, a, mask, sub.turn_ids)
-        metrics = {f"actor/{k}": v for k, v in m.items()}
-        if hp.tis_cap is not None and hp.old_logprobs_source == "trainer":
-            # The engine sampled these tokens; reweight to the trainer's policy (truncated IS).
-            w, tm = truncated_importance_weights(trainer_old, sub.sampling_logps, mask, hp.tis_cap)
-            per_token = per_token * w
-            metrics.update({f"is/{k}": v for k, v in tm.items()})
-        if ref_logp is not None and hp.kl_mode == "loss":
-            kl_t = kl(logp, ref_logp[index][:, :width], hp.kl_estimator)
-            clamped = kl_t.clamp(-hp.kl_clamp, hp.kl_clamp) if hp.kl_clamp is not None else kl_t
-            if hp.kl_importance_weighted:
-                # E_old[r * k3] is KL(pi || ref) itself: value and gradient unbiased (DeepSeek-V3.2, sec. 3.1)
-                clamped = clamped * torch.exp(logp - trainer_old)
-            per_token = per_token + hp.beta * clamped
-            metrics["actor/kl"] = masked_mean(kl_t.detach(), mask)
-            if hp.kl_clamp is not None:
-                metrics["actor/kl_clamp_frac"] = masked_mean((kl_t.abs() > hp.kl_clamp).float(), mask)
-        if entropy is not None:  # entropy bonus
-            per_token = per_token - entropy_coef * entropy
-            metrics["actor/entropy"] = masked_mean(entropy.detach(), mask)
-        loss = aggregate(
-            per_token,
-            mask,
-            hp.loss_agg_mode,
-            max_len=self.max_len_norm,
-            num_tokens=norm["num_tokens"],
-            num_seqs=norm["num_seqs"],
-        )
-        metrics["actor/loss_part"] = loss.detach()
-        extra, extra_metrics = self.extra_loss(traj, index, norm)
-        metrics.update(extra_metrics)
-        return loss + extra, metrics
+        return self.objective(self.policy, mb, norm, self.manual_backward, actor)
 
     @property
     def max_len_norm(self) -> int:

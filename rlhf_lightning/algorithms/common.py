@@ -1,17 +1,28 @@
 """Pieces every algorithm module shares: metric averaging, logging at the optimizer step,
-the AdamW + warm-up/cosine optimiser, and checkpoints that hold trainable weights only."""
+the AdamW + warm-up/cosine optimiser, one optimizer-step helper (clip, step, zero, schedule,
+reference refresh), and checkpoints that hold trainable weights only."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import lightning as L
 import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from torch.optim.lr_scheduler import LRScheduler
 
 from rlhf_lightning.algorithms.schedule import warmup_cosine
 
 Metrics = dict[str, torch.Tensor]
+log = logging.getLogger(__name__)
+
+
+def grad_norm(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
+    """The global L2 norm of the parameters' gradients (0 when none has one)."""
+    norms = [torch.linalg.vector_norm(p.grad.detach().float()) for p in params if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
 
 
 class MetricAccumulator:
@@ -53,7 +64,49 @@ def adamw_with_schedule(params: Iterable[Any], hp: Any, total_steps: int) -> dic
 
 
 class ModuleMixin(L.LightningModule):
-    """Logging at ``step`` = optimizer updates done, and trainable-only checkpoints."""
+    """Logging at ``step`` = optimizer updates done, one optimizer step, trainable-only checkpoints.
+
+    Modules set ``policy`` and ``hp`` (with ``grad_clip`` and ``ref_update_interval``).
+    """
+
+    policy: Any
+    hp: Any
+    _grad_metrics: Metrics
+
+    def optimizer_step_(self) -> Metrics:
+        """Clip, step, zero the gradients, advance the schedule, refresh the reference on its
+        interval. Returns the gradient norm(s) before clipping.
+
+        Clipping runs in :meth:`on_before_optimizer_step`, which Lightning calls inside
+        ``step()`` after mixed precision has unscaled the gradients.
+        """
+        opt = cast(LightningOptimizer, self.optimizers())
+        sched = cast(LRScheduler, self.lr_schedulers())
+        self._grad_metrics = {}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        self.maybe_update_reference()
+        return self._grad_metrics
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self._grad_metrics = self.clip_gradients_(optimizer)
+
+    def clip_gradients_(self, optimizer: Any) -> Metrics:
+        """Clip all trainable gradients by their global norm (``algo.grad_clip``) through Lightning."""
+        norm = grad_norm(self.policy.trainable_parameters())
+        if self.hp.grad_clip is not None:
+            self.clip_gradients(
+                optimizer, gradient_clip_val=self.hp.grad_clip, gradient_clip_algorithm="norm"
+            )
+        return {"actor/grad_norm": norm}
+
+    def maybe_update_reference(self) -> None:
+        """Copy the actor onto the reference adapter every ``algo.ref_update_interval`` optimizer
+        steps (validation makes sure there is a separate reference adapter to copy onto)."""
+        interval = self.hp.ref_update_interval
+        if interval and self.global_step % interval == 0:
+            self.policy.copy_actor_to_reference()
 
     def log_metrics(self, metrics: Metrics) -> None:
         """Send metrics to every logger at ``step`` = optimizer updates done so far (0 before

@@ -33,10 +33,19 @@ def step_index(
     return idx, int(idx.max()) + 1 if idx.numel() and int(idx.max()) >= 0 else 1
 
 
+STEP_VALUE_REDUCTIONS = ("state", "mean", "final_value")
+
+
 def reduce_to_steps(
-    values: torch.Tensor, idx: torch.Tensor, steps: int, reduction: str = "mean"
+    values: torch.Tensor, idx: torch.Tensor, steps: int, reduction: str = "state"
 ) -> torch.Tensor:
-    """Per-step values from per-token values: the mean over the step's tokens, or its last token's.
+    """Per-step values from per-token values.
+
+    The value at a token's position is read from the hidden state before that token, so the
+    value of a step's *state* is the one at its first token (``state``: ``V(s_k)``, the
+    baseline that does not depend on the action). ``mean`` (all the step's tokens) and
+    ``final_value`` (its last token) have already seen part of the action; they exist for
+    compatibility with AgileRL's choices and bias the policy gradient.
 
     Args:
         values: Shape: (B, T)
@@ -45,6 +54,10 @@ def reduce_to_steps(
     Returns:
         Shape: (B, S); 0 for steps that do not exist.
     """
+    if reduction not in STEP_VALUE_REDUCTIONS:
+        raise ValueError(
+            f"turn_value_reduction must be one of {', '.join(STEP_VALUE_REDUCTIONS)}, got {reduction!r}"
+        )
     b = values.shape[0]
     valid = idx >= 0
     flat = (torch.arange(b, device=idx.device)[:, None] * steps + idx.clamp(min=0))[valid]
@@ -53,14 +66,14 @@ def reduce_to_steps(
         total = out.index_add(0, flat, values[valid])
         count = torch.zeros_like(out).index_add(0, flat, torch.ones_like(values[valid]))
         return (total / count.clamp(min=1.0)).view(b, steps)
-    if reduction == "final_value":  # tokens come in order: the last write per step wins
-        positions = torch.arange(values.shape[1], device=values.device).expand_as(values)[valid]
-        last = torch.full((b * steps,), -1, device=values.device, dtype=torch.long).scatter_reduce(
-            0, flat, positions, "amax"
-        )
-        pick = values[valid][positions == last[flat]]
-        return out.index_copy(0, flat[positions == last[flat]], pick).view(b, steps)
-    raise ValueError(f"turn_value_reduction must be mean or final_value, got {reduction!r}")
+    # state: the step's first position; final_value: its last.
+    positions = torch.arange(values.shape[1], device=values.device).expand_as(values)[valid]
+    pick_op, fill = ("amin", values.shape[1]) if reduction == "state" else ("amax", -1)
+    chosen = torch.full((b * steps,), fill, device=values.device, dtype=torch.long).scatter_reduce(
+        0, flat, positions, pick_op
+    )
+    hit = positions == chosen[flat]
+    return out.index_copy(0, flat[hit], values[valid][hit]).view(b, steps)
 
 
 def step_rewards(

@@ -6,8 +6,11 @@ import torch
 
 from rlhf_lightning.algorithms.common import Metrics
 from rlhf_lightning.algorithms.offline import OfflineModule
+from rlhf_lightning.algorithms.spec import AlgorithmSpec, register_algorithm
+from rlhf_lightning.config import DPOConfig
 from rlhf_lightning.envs.trajectory import TrajectoryBatch
-from rlhf_lightning.losses.preference import preference_loss
+from rlhf_lightning.losses.preference import preference_loss, sequence_logps
+from rlhf_lightning.validation import validate_dpo
 
 
 class DPOModule(OfflineModule):
@@ -25,8 +28,9 @@ class DPOModule(OfflineModule):
         return torch.cat([index, index + self.units(batch)])
 
     def sequence_logps(self, sub: TrajectoryBatch, reference: bool) -> torch.Tensor:
-        """Summed log-probs of each response. Shape: (2b,)"""
-        return (self.token_logprobs(sub, reference=reference) * sub.action_mask).sum(-1)
+        """Each response's log-prob (summed; averaged over its tokens for IPO). Shape: (2b,)"""
+        logp = self.token_logprobs(sub, reference=reference)
+        return sequence_logps(logp, sub.action_mask, average=self.hp.loss_type == "ipo")
 
     def pair_loss(self, sub: TrajectoryBatch) -> tuple[torch.Tensor, Metrics]:
         b = len(sub) // 2
@@ -63,3 +67,16 @@ class DPOModule(OfflineModule):
             "eval/rewards_accuracy": (chosen > rejected).float(),
             "eval/rewards_margin": chosen - rejected,
         }
+
+
+register_algorithm(
+    AlgorithmSpec(
+        "dpo",
+        DPOModule,
+        DPOConfig,
+        data="offline",
+        offline_kind="preference",
+        needs_reference=lambda hp: True,
+        validate=validate_dpo,
+    )
+)

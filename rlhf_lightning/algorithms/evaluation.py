@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, cast
 
@@ -72,7 +73,7 @@ class RolloutEvaluation(ModuleMixin):
         rows = batch.tolist()
         modes = []
         if self.eval_greedy:
-            modes.append(("greedy", SamplingParams(self.sampling.max_new_tokens, temperature=0.0)))
+            modes.append(("greedy", dataclasses.replace(self.sampling, temperature=0.0, n=1)))
         if self.eval_sampled:
             modes.append(("sampled", self.sampling))
         for name, params in modes:

@@ -3,22 +3,18 @@ the objective and the estimator are config."""
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 
 from rlhf_lightning.algorithms.base import RolloutModule
 from rlhf_lightning.algorithms.common import Metrics
+from rlhf_lightning.algorithms.objective import PolicyTerm
+from rlhf_lightning.algorithms.spec import AlgorithmSpec, register_algorithm
+from rlhf_lightning.config import GRPOConfig
 from rlhf_lightning.envs.harness import RolloutResult
 from rlhf_lightning.envs.trajectory import TrajectoryBatch, collate
-from rlhf_lightning.losses import get_advantage_estimator, get_policy_loss
-from rlhf_lightning.losses.advantages import informative_groups, postprocess_advantages
-
-
-def hparams_for(fn: object, hp: object) -> dict:
-    """The fields of ``hp`` named like keyword arguments of ``fn`` (config names = argument names)."""
-    params = inspect.signature(fn).parameters  # type: ignore[arg-type]
-    return {k: getattr(hp, k) for k, p in params.items() if p.kind is p.KEYWORD_ONLY and hasattr(hp, k)}
+from rlhf_lightning.losses import get_advantage_estimator
+from rlhf_lightning.losses.advantages import ADVANTAGE_ESTIMATORS, informative_groups, postprocess_advantages
+from rlhf_lightning.validation import validate_grpo
 
 
 class GRPOModule(RolloutModule):
@@ -32,29 +28,21 @@ class GRPOModule(RolloutModule):
     """
 
     def setup(self, stage: str) -> None:
-        self.loss_fn = get_policy_loss(self.hp.loss)
-        self.loss_kwargs = hparams_for(self.loss_fn, self.hp)
-        self.loss_takes_turns = "turn_ids" in inspect.signature(self.loss_fn).parameters
         self.advantage_fn = get_advantage_estimator(self.hp.advantage)
-        self.advantage_kwargs = {"scale": self.hp.advantage_scale} if self.hp.advantage == "grpo" else {}
+        self.advantage_kwargs = ADVANTAGE_ESTIMATORS.meta(self.hp.advantage)["bind"](self.hp)
         self.row_generator = torch.Generator().manual_seed(torch.initial_seed() % 2**31)
 
-    def compute_advantages(self, traj: TrajectoryBatch, returns: torch.Tensor) -> torch.Tensor:
+    def compute_advantages(
+        self, traj: TrajectoryBatch, rewards: torch.Tensor, returns: torch.Tensor
+    ) -> torch.Tensor:
         adv = self.advantage_fn(returns, traj.group_ids, **self.advantage_kwargs)
         return postprocess_advantages(adv, whiten=self.hp.whiten_advantages, clip=self.hp.advantage_clip)
 
-    def policy_loss(
-        self,
-        logp: torch.Tensor,
-        old_logp: torch.Tensor,
-        adv: torch.Tensor,
-        mask: torch.Tensor,
-        turn_ids: torch.Tensor,
-    ) -> tuple[torch.Tensor, Metrics]:
-        kwargs = dict(self.loss_kwargs)
-        if self.loss_takes_turns and self.hp.is_level == "turn":
-            kwargs["turn_ids"] = turn_ids
-        return self.loss_fn(logp, old_logp, adv, mask, **kwargs)
+    def policy_term(self) -> PolicyTerm:
+        return PolicyTerm.bind(self.hp.loss, self.hp, per_turn=self.hp.is_level == "turn")
+
+    def can_skip_zero_advantage(self) -> bool:
+        return self.hp.skip_zero_advantage
 
     # ---------------------------------------------------------------- DAPO dynamic sampling
     def collect(self, rows: list[int]) -> tuple[RolloutResult, Metrics]:
@@ -97,3 +85,14 @@ class GRPOModule(RolloutModule):
             if k:
                 groups.setdefault(t.group_id, []).append(t)
         return list(groups.values())
+
+
+register_algorithm(
+    AlgorithmSpec(
+        "grpo",
+        GRPOModule,
+        GRPOConfig,
+        needs_reference=lambda hp: hp.beta > 0,
+        validate=validate_grpo,
+    )
+)

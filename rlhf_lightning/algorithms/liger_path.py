@@ -1,4 +1,11 @@
-"""The Liger path of the rollout update (``algo.use_liger_loss``): a mixin of :class:`RolloutModule`."""
+"""The Liger implementation of the micro-batch objective (``algo.use_liger_loss``, GPU).
+
+Liger's fused linear loss computes the lm-head logits, the policy term, the KL term and their
+gradients chunk by chunk. It implements the same :class:`~rlhf_lightning.algorithms.objective.Objective`
+as :class:`~rlhf_lightning.algorithms.objective.PolicyObjective` for the combinations that
+:func:`~rlhf_lightning.ops.liger.liger_unsupported` accepts (validation refuses the others at
+start-up), and it is tested equal to it on the CPU through Liger's PyTorch path.
+"""
 
 from __future__ import annotations
 
@@ -7,63 +14,62 @@ from typing import Any
 
 import torch
 
-from rlhf_lightning.algorithms.common import Metrics, ModuleMixin
-from rlhf_lightning.envs.trajectory import TrajectoryBatch
+from rlhf_lightning.algorithms.common import Metrics
+from rlhf_lightning.algorithms.objective import Backward, MicroBatch
 from rlhf_lightning.losses.corrections import truncated_importance_weights
 from rlhf_lightning.models.policy import Policy
-from rlhf_lightning.ops.liger import liger_available, liger_policy_loss, liger_unsupported
+from rlhf_lightning.ops.liger import liger_available, liger_policy_loss
 from rlhf_lightning.ops.logprobs import chunked_logprobs
-from rlhf_lightning.rollout.engine import SamplingParams
 
 log = logging.getLogger(__name__)
 
 
-class LigerPath(ModuleMixin):
-    """Chooses Liger's fused loss at fit start (GPU, supported objective) and computes a
-    micro-batch's loss through it; everything else stays in :class:`RolloutModule`."""
+def use_liger(hp: Any, device: torch.device) -> bool:
+    """``algo.use_liger_loss``: Liger on a GPU; on a CPU our op, with one warning."""
+    if not getattr(hp, "use_liger_loss", False):
+        return False
+    if device.type != "cuda":
+        log.warning(
+            "algo.use_liger_loss=true: Liger's kernels need a GPU; using the chunked log-prob op on %s",
+            device,
+        )
+        return False
+    if not liger_available():
+        raise ImportError("algo.use_liger_loss=true needs liger-kernel: pip install 'rlhf_lightning[liger]'")
+    return True
 
-    hp: Any
-    policy: Policy
-    sampling: SamplingParams
-    use_liger: bool = False
 
-    def on_fit_start(self) -> None:
-        self.use_liger = self.resolve_liger()
+class LigerObjective:
+    """Liger's fused linear GRPO loss as the micro-batch objective.
 
-    def resolve_liger(self) -> bool:
-        """``algo.use_liger_loss``: Liger on a GPU where it reproduces our loss; else our op, with one warning."""
-        if not getattr(self.hp, "use_liger_loss", False):
-            return False
-        if self.device.type != "cuda":
-            log.warning(
-                "algo.use_liger_loss=true: Liger's kernels need a GPU; using the chunked log-prob op on %s",
-                self.device,
-            )
-            return False
-        if not liger_available():
-            raise ImportError(
-                "algo.use_liger_loss=true needs liger-kernel: pip install 'rlhf_lightning[liger]'"
-            )
-        reason = liger_unsupported(self.hp)
-        if reason is not None:
-            log.warning(
-                "algo.use_liger_loss=true: Liger does not cover %s; using the chunked log-prob op", reason
-            )
-            return False
-        return True
+    Args:
+        hp: the algorithm config (objective name, clip bounds, KL settings, aggregation): read
+            once here to build Liger's loss, as :class:`PolicyObjective` binds its terms.
+        temperature, chunk_rows, max_len: as in :class:`PolicyObjective`.
+        tis_cap: truncated importance weights trainer/engine (None: off).
+        world_size: ranks the gradient is averaged over.
+        compiled: let Liger ``torch.compile`` its chunk function (off in CPU tests).
+    """
 
-    def liger_micro_step(
+    def __init__(
         self,
-        sub: TrajectoryBatch,
-        adv: torch.Tensor,
-        mask: torch.Tensor,
-        old: torch.Tensor | None,
-        ref: torch.Tensor | None,
-        norm: dict[str, Any],
+        hp: Any,
+        *,
+        temperature: float,
+        chunk_rows: int | None,
+        max_len: int,
+        tis_cap: float | None,
+        world_size: int = 1,
+        compiled: bool = True,
+    ) -> None:
+        self.hp, self.temperature, self.chunk_rows, self.max_len = hp, temperature, chunk_rows, max_len
+        self.tis_cap, self.world_size, self.compiled = tis_cap, world_size, compiled
+
+    def __call__(
+        self, policy: Policy, mb: MicroBatch, norm: dict[str, Any], backward: Backward, actor: bool = True
     ) -> tuple[torch.Tensor, Metrics]:
-        """:meth:`micro_step` through Liger's fused linear GRPO loss (GPU, ``algo.use_liger_loss``)."""
-        hp = self.hp
-        rows, head = self.policy.action_hidden(
+        sub = mb.sub
+        rows, head = policy.action_hidden(
             sub.input_ids,
             sub.attention_mask,
             sub.action_mask,
@@ -72,41 +78,37 @@ class LigerPath(ModuleMixin):
         )
         targets = sub.input_ids[:, 1:][sub.action_mask]
         weights, metrics = None, {}
-        if hp.tis_cap is not None and hp.old_logprobs_source == "trainer":
-            if old is None:  # on-policy: the trainer's old log-probs are the current ones
-                with torch.no_grad():
-                    cur = chunked_logprobs(
-                        rows.detach(),
-                        head.weight,
-                        targets,
-                        head.bias,
-                        self.sampling.temperature,
-                        hp.chunk_rows,
-                    )
-                old_for_is = torch.zeros(sub.action_mask.shape, device=self.device).masked_scatter(
-                    sub.action_mask, cur
-                )
-            else:
-                old_for_is = old
-            weights, tm = truncated_importance_weights(old_for_is, sub.sampling_logps, mask, hp.tis_cap)
+        if self.tis_cap is not None:
+            old = mb.old_logp if mb.old_logp is not None else self._current(rows, head, targets, sub)
+            weights, tm = truncated_importance_weights(old, sub.sampling_logps, mb.mask, self.tis_cap)
             metrics.update({f"is/{k}": v for k, v in tm.items()})
         # Liger packs action tokens from the mask it is given: it must be the action mask itself.
+        # Validation refuses loss masks that differ from it (mask_truncated, off-policy masks).
         loss, m = liger_policy_loss(
             rows,
             head,
             targets,
             sub.action_mask,
-            adv,
-            old,
-            ref,
-            None if weights is None else weights * mask,
-            hp,
-            temperature=self.sampling.temperature,
-            max_len=self.hp.max_len_norm or self.sampling.max_new_tokens,
-            world_size=self.trainer.world_size if self._trainer is not None else 1,
+            mb.adv,
+            mb.old_logp,
+            mb.ref_logp,
+            None if weights is None else weights * mb.mask,
+            self.hp,
+            temperature=self.temperature,
+            max_len=self.max_len,
+            world_size=self.world_size,
             num_tokens=norm["num_tokens"],
             num_seqs=norm["num_seqs"],
+            compiled=self.compiled,
         )
         metrics.update({f"actor/{k}": v for k, v in m.items()})
         metrics["actor/loss_part"] = loss.detach()
         return loss, metrics
+
+    def _current(self, rows: torch.Tensor, head: Any, targets: torch.Tensor, sub: Any) -> torch.Tensor:
+        """On-policy: the trainer's behaviour log-probs are the current ones (no gradient)."""
+        with torch.no_grad():
+            cur = chunked_logprobs(
+                rows.detach(), head.weight, targets, head.bias, self.temperature, self.chunk_rows
+            )
+        return torch.zeros(sub.action_mask.shape, device=rows.device).masked_scatter(sub.action_mask, cur)

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, cast
+from typing import Any
 
 import torch
-from lightning.pytorch.core.optimizer import LightningOptimizer
-from torch.optim.lr_scheduler import LRScheduler
 
 from rlhf_lightning.algorithms.common import MetricAccumulator, Metrics, adamw_with_schedule
 from rlhf_lightning.algorithms.evaluation import RolloutEvaluation
@@ -51,7 +49,6 @@ class OfflineModule(RolloutEvaluation):
         )
         self.last_eval_step = -1
         self._eval_outputs = {}
-        self._warned_static_reference = False
 
     # ---------------------------------------------------------------- hooks
     def units(self, batch: TrajectoryBatch) -> int:
@@ -72,8 +69,6 @@ class OfflineModule(RolloutEvaluation):
     # ---------------------------------------------------------------- training
     def training_step(self, batch: TrajectoryBatch, batch_idx: int) -> None:
         t0 = time.perf_counter()
-        opt = cast(LightningOptimizer, self.optimizers())
-        sched = cast(LRScheduler, self.lr_schedulers())
         norm = self.normaliser(batch)
         micro = self.hp.micro_batch_size or self.units(batch)
         acc = MetricAccumulator()
@@ -83,18 +78,13 @@ class OfflineModule(RolloutEvaluation):
             self.manual_backward(loss)
             total = total + loss.detach()
             acc.add(m, weight=float(len(index)))
-        max_norm = self.hp.grad_clip if self.hp.grad_clip is not None else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.trainable_parameters(), max_norm)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sched.step()
-        self.maybe_update_reference()
+        grad_metrics = self.optimizer_step_()
         metrics = acc.result()
         metrics.update(
             {
                 "train/loss": total,
-                "actor/grad_norm": grad_norm.detach(),
-                "actor/lr": torch.tensor(sched.get_last_lr()[0]),
+                **grad_metrics,
+                "actor/lr": torch.tensor(self.lr_schedulers().get_last_lr()[0]),  # type: ignore[union-attr]
             }
         )
         step_s = time.perf_counter() - t0
@@ -102,22 +92,6 @@ class OfflineModule(RolloutEvaluation):
         metrics["perf/tokens_per_s"] = batch.attention_mask.sum().float().cpu() / step_s
         self.log_metrics({k: v.detach().float().cpu() for k, v in metrics.items()})
         self.log("loss", total, prog_bar=True, logger=False)
-
-    def maybe_update_reference(self) -> None:
-        """Copy the actor onto the reference adapter every ``ref_update_interval`` steps."""
-        interval = getattr(self.hp, "ref_update_interval", None)
-        if not interval or self.global_step % interval != 0:
-            return
-        if self.policy.reference_adapter is None:
-            if not self._warned_static_reference:
-                log.warning(
-                    "algo.ref_update_interval=%s has no effect: the reference is the base with adapters disabled, "
-                    "which cannot move; set algo.use_separate_reference_adapter=true",
-                    interval,
-                )
-                self._warned_static_reference = True
-            return
-        self.policy.copy_actor_to_reference()
 
     # ---------------------------------------------------------------- evaluation
     def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
@@ -137,14 +111,6 @@ class OfflineModule(RolloutEvaluation):
         return adamw_with_schedule(self.policy.trainable_parameters(), self.hp, max(total, 1))
 
     def token_logprobs(self, sub: TrajectoryBatch, reference: bool = False) -> torch.Tensor:
-        logp, _ = self.policy.token_logprobs(
-            sub.input_ids,
-            sub.attention_mask,
-            sub.action_mask,
-            chunk_rows=self.hp.chunk_rows,
-            reference=reference,
-            prompt_lens=sub.prompt_lens,
-            prefix_ids=sub.prefix_ids,
-            position_ids=sub.position_ids,
-        )
-        return logp
+        return self.policy.forward_heads(sub, ("logp",), chunk_rows=self.hp.chunk_rows, reference=reference)[
+            "logp"
+        ]

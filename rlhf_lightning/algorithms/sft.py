@@ -6,7 +6,10 @@ import torch
 
 from rlhf_lightning.algorithms.common import Metrics
 from rlhf_lightning.algorithms.offline import OfflineModule
+from rlhf_lightning.algorithms.spec import AlgorithmSpec, register_algorithm
+from rlhf_lightning.config import SFTConfig
 from rlhf_lightning.envs.trajectory import TrajectoryBatch
+from rlhf_lightning.validation import validate_offline
 
 
 class SFTModule(OfflineModule):
@@ -29,3 +32,8 @@ class SFTModule(OfflineModule):
     def eval_outputs(self, batch: TrajectoryBatch) -> dict[str, torch.Tensor]:
         logp = self.token_logprobs(batch)
         return {"eval/loss": -logp[batch.action_mask]}  # per token: the mean is the token-mean NLL
+
+
+register_algorithm(
+    AlgorithmSpec("sft", SFTModule, SFTConfig, data="offline", offline_kind="sft", validate=validate_offline)
+)

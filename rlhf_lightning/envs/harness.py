@@ -243,6 +243,8 @@ class RolloutHarness:
         traj.token_ids += comp.token_ids
         traj.action_turn += [turn] * len(comp.token_ids)
         traj.sampling_logps += comp.logprobs
+        traj.finish_reasons.append(comp.finish_reason)
+        traj.turn_lengths.append(len(comp.token_ids))
         traj.completion_text += text if turn == 0 else f"\n[turn {turn}] {text}"
         failed = False
         try:
@@ -258,10 +260,11 @@ class RolloutHarness:
         obs, reward, terminated, truncated, info = _check_step_output(env, out)
         traj.rewards.append(reward)
         traj.infos.append(info)
-        if comp.finish_reason == "length" and not terminated:
-            truncated = True  # the reply was cut: no well-formed next turn can follow
-        traj.truncated = traj.truncated or truncated
-        if terminated or truncated:
+        # A reply cut at max_new_tokens ends the episode without a terminal state, whatever the
+        # env says: no well-formed next turn can follow, and the reply itself was not finished.
+        cut = comp.finish_reason == "length"
+        traj.truncated = traj.truncated or cut or (truncated and not terminated)
+        if terminated or truncated or cut:
             return False, failed
         ids = self.formatter.observation_ids(obs)
         if len(traj.token_ids) + len(ids) + max_new_tokens > self.max_model_len:

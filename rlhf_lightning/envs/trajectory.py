@@ -14,6 +14,9 @@ class Trajectory:
 
     ``action_turn[i]`` is the turn index of ``token_ids[i]`` if the engine generated it, else -1.
     ``sampling_logps[i]`` is the engine's log-prob of generated token i (0 elsewhere).
+    Per turn k: ``finish_reasons[k]`` is the engine's (``stop`` or ``length``: cut at
+    ``max_new_tokens``), ``turn_lengths[k]`` the generated tokens. ``truncated``: the episode
+    did not reach a terminal state (a reply was cut, or ``max_turns`` / ``max_model_len`` ended it).
     """
 
     token_ids: list[int]
@@ -26,10 +29,20 @@ class Trajectory:
     prompt_text: str = ""
     completion_text: str = ""
     infos: list[dict[str, Any]] = field(default_factory=list)
+    finish_reasons: list[str] = field(default_factory=list)
+    turn_lengths: list[int] = field(default_factory=list)
 
     @property
     def num_turns(self) -> int:
         return len(self.rewards)
+
+    def turn_starts(self) -> list[int]:
+        """Index in ``token_ids`` of each turn's first generated token."""
+        starts: list[int] = []
+        for i, turn in enumerate(self.action_turn):
+            if turn >= 0 and turn == len(starts):
+                starts.append(i)
+        return starts
 
 
 @dataclass
@@ -43,7 +56,11 @@ class TrajectoryBatch:
         sampling_logps: (B, L-1), the engine's log-prob of that token, 0 elsewhere
         rewards: (B, K), per-turn rewards, 0 after the last turn
         group_ids: (B,), trajectories of one prompt share an id
-        num_turns: (B,), truncated: (B,)
+        num_turns: (B,), truncated: (B,) (no terminal state reached: see ``Trajectory``)
+        turn_lengths: (B, K), generated tokens per turn (0 after the last turn)
+        turn_cut: (B, K), True where the engine stopped the turn at ``max_new_tokens``
+        turn_starts: (B, K), the (B, L-1) column of each turn's first action token, i.e. where
+            the state before the turn is read (-1 after the last turn)
         prompt_lens: (B,), tokens before the first action
         prefix_ids: (B,), rows whose first ``prompt_lens`` tokens are identical share an id
             (the policy runs such a shared prompt once: see ``Policy.token_logprobs``)
@@ -62,6 +79,9 @@ class TrajectoryBatch:
     truncated: torch.Tensor
     prompt_lens: torch.Tensor
     prefix_ids: torch.Tensor
+    turn_lengths: torch.Tensor
+    turn_cut: torch.Tensor
+    turn_starts: torch.Tensor
     position_ids: torch.Tensor | None = None
 
     def __len__(self) -> int:
@@ -112,6 +132,10 @@ def collate(trajectories: list[Trajectory], pad_token_id: int) -> TrajectoryBatc
     prefix_ids = [
         prefixes.setdefault(tuple(t.token_ids[: t.prompt_len]), len(prefixes)) for t in trajectories
     ]
+
+    def per_turn(values: list[list[Any]], pad: Any, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor([(v + [pad] * turns)[:turns] for v in values], dtype=dtype)
+
     # Shift: position t of the (B, L-1) tensors describes token t+1.
     turn_ids = turn_ids[:, 1:]
     return TrajectoryBatch(
@@ -126,4 +150,9 @@ def collate(trajectories: list[Trajectory], pad_token_id: int) -> TrajectoryBatc
         truncated=torch.tensor([t.truncated for t in trajectories], dtype=torch.bool),
         prompt_lens=torch.tensor([t.prompt_len for t in trajectories], dtype=torch.long),
         prefix_ids=torch.tensor(prefix_ids, dtype=torch.long),
+        turn_lengths=per_turn([t.turn_lengths for t in trajectories], 0, torch.long),
+        turn_cut=per_turn(
+            [[r == "length" for r in t.finish_reasons] for t in trajectories], False, torch.bool
+        ),
+        turn_starts=per_turn([[i - 1 for i in t.turn_starts()] for t in trajectories], -1, torch.long),
     )

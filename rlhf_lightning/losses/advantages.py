@@ -1,7 +1,9 @@
 """Advantage estimators, registered under their config names.
 
-Outcome estimators: ``fn(rewards, group_ids, **hparams) -> advantages``, all ``(N,)``.
-``group_ids`` marks which samples answer the same prompt; groups may differ in size.
+Outcome estimators (``kind="outcome"``): ``fn(rewards, group_ids, **hparams) -> advantages``,
+all ``(N,)``; ``group_ids`` marks which samples answer the same prompt; groups may differ in
+size. Their hyper-parameters are bound explicitly by the ``bind`` function registered with
+them. ``gae`` (``kind="critic"``) needs a critic's values and is PPO's.
 
 Notation:
     N: trajectories in the rollout batch; G_i: the size of sample i's group.
@@ -48,7 +50,11 @@ def group_stats(
     return count[inverse], mean[inverse], std[inverse]
 
 
-@ADVANTAGE_ESTIMATORS.register("grpo")
+def _no_params(hp: Any) -> dict[str, Any]:
+    return {}
+
+
+@ADVANTAGE_ESTIMATORS.register("grpo", kind="outcome", bind=lambda hp: {"scale": hp.advantage_scale})
 def grpo_advantages(
     rewards: torch.Tensor,
     group_ids: torch.Tensor,
@@ -80,8 +86,8 @@ def grpo_advantages(
     raise ValueError(f"grpo advantages: unknown scale {scale!r}; valid: group, batch, none")
 
 
-@ADVANTAGE_ESTIMATORS.register("mean_only")
-@ADVANTAGE_ESTIMATORS.register("dr_grpo")
+@ADVANTAGE_ESTIMATORS.register("mean_only", kind="outcome", bind=_no_params)
+@ADVANTAGE_ESTIMATORS.register("dr_grpo", kind="outcome", bind=_no_params)
 def dr_grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """Dr.GRPO (arXiv 2503.20783, eq. 3): ``A_i = r_i - mean_group(r)``, no std division.
 
@@ -92,7 +98,7 @@ def dr_grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.
     return grpo_advantages(rewards, group_ids, scale="none")
 
 
-@ADVANTAGE_ESTIMATORS.register("rloo")
+@ADVANTAGE_ESTIMATORS.register("rloo", kind="outcome", bind=_no_params)
 def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """REINFORCE leave-one-out (Ahmadian et al. 2024, arXiv 2402.14740, eq. 5).
 
@@ -114,7 +120,7 @@ def _batch_whiten(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (x - x.mean()) / (x.std() + eps)
 
 
-@ADVANTAGE_ESTIMATORS.register("rebn")
+@ADVANTAGE_ESTIMATORS.register("rebn", kind="outcome", bind=_no_params)
 def rebn_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, eps: float = 1e-6) -> torch.Tensor:
     """REINFORCE with return batch normalisation (ReBN; GEM, arXiv 2510.01051, sec. 3):
     ``A_i = (R_i - mean_batch(R)) / (std_batch(R) + eps)``; groups are not used.
@@ -126,7 +132,7 @@ def rebn_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, eps: floa
     return _batch_whiten(rewards, eps)
 
 
-@ADVANTAGE_ESTIMATORS.register("reinforce_pp")
+@ADVANTAGE_ESTIMATORS.register("reinforce_pp", kind="outcome", bind=_no_params)
 def reinforce_pp_advantages(
     rewards: torch.Tensor, group_ids: torch.Tensor, *, eps: float = 1e-6
 ) -> torch.Tensor:
@@ -142,7 +148,7 @@ def reinforce_pp_advantages(
     return _batch_whiten(rewards - mean.to(rewards.dtype), eps)
 
 
-@ADVANTAGE_ESTIMATORS.register("gae")
+@ADVANTAGE_ESTIMATORS.register("gae", kind="critic")
 def gae_advantages(
     rewards: torch.Tensor,
     values: torch.Tensor,
@@ -150,19 +156,21 @@ def gae_advantages(
     *,
     gamma: float = 1.0,
     lam: float = 0.95,
+    bootstrap: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation (Schulman et al. 2016, arXiv 1506.02438, eq. 16) over steps.
 
     A step is a generated turn (turn-level, multi-turn) or an action token (token-level,
-    reward on the last token). Each row's valid steps are a prefix given by ``mask``; the value
-    after the last step is 0 (the episode ended).
+    reward on the last token). Each row's valid steps are a prefix given by ``mask``.
     ``delta_k = r_k + gamma * V_{k+1} - V_k``, ``A_k = sum_j (gamma * lam)^j delta_{k+j}``,
-    returns ``R_k = A_k + V_k``.
+    returns ``R_k = A_k + V_k``. After a row's last step, ``V_{n}`` is ``bootstrap`` (the
+    critic's value of the state where a truncated episode stopped) or 0 (a terminal state).
 
     Args:
         rewards: per-step rewards. Shape: (B, S)
         values: per-step values (no gradient). Shape: (B, S)
         mask: valid steps, a prefix of each row. Shape: (B, S)
+        bootstrap: value after the last step; 0 for terminated rows. Shape: (B,) or None
 
     Returns:
         (advantages, returns), each Shape: (B, S), 0 outside the mask.
@@ -170,11 +178,16 @@ def gae_advantages(
     m = mask.to(values.dtype)
     v = values.detach() * m
     r = rewards * m
+    # V_{k+1}: the next step's value; after each row's last step, the bootstrap value.
+    next_v = torch.cat([v[:, 1:], torch.zeros_like(v[:, :1])], dim=1)
+    if bootstrap is not None:
+        last = (mask.long().sum(-1) - 1).clamp(min=0)  # (B,)
+        tail = torch.zeros_like(v).scatter(1, last[:, None], bootstrap.detach().to(v.dtype)[:, None])
+        next_v = next_v + tail * m
     adv = torch.zeros_like(v)
     running = torch.zeros_like(v[:, 0])
     for k in reversed(range(v.shape[1])):
-        next_v = v[:, k + 1] if k + 1 < v.shape[1] else torch.zeros_like(running)
-        delta = r[:, k] + gamma * next_v - v[:, k]
+        delta = r[:, k] + gamma * next_v[:, k] - v[:, k]
         running = (delta + gamma * lam * running) * m[:, k]
         adv[:, k] = running
     return adv, (adv + v) * m

@@ -15,6 +15,8 @@ Notation:
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -28,6 +30,53 @@ POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 def get_policy_loss(name: str) -> PolicyLoss:
     """The registered objective called ``name`` (``ppo_clip``, ``cispo``, ...)."""
     return POLICY_LOSSES.get(name)
+
+
+# Each objective's hyper-parameters, bound explicitly from an algorithm config at construction
+# (``Params.bind(hp)`` names every field it reads). ``uses_ratio=False``: no importance ratio,
+# so only one on-policy epoch over one mini-batch is an unbiased gradient.
+@dataclass(frozen=True)
+class ClipParams:
+    clip_low: float | None = 0.2
+    clip_high: float | None = 0.2
+    clip_ratio_c: float | None = None
+
+    @classmethod
+    def bind(cls, hp: Any) -> ClipParams:
+        return cls(clip_low=hp.clip_low, clip_high=hp.clip_high, clip_ratio_c=hp.clip_ratio_c)
+
+
+@dataclass(frozen=True)
+class CISPOParams:
+    clip_low: float | None = None
+    clip_high: float | None = 4.0
+
+    @classmethod
+    def bind(cls, hp: Any) -> CISPOParams:
+        return cls(clip_low=hp.clip_low, clip_high=hp.clip_high)
+
+
+@dataclass(frozen=True)
+class GSPOParams:
+    clip_low: float | None = 3e-4
+    clip_high: float | None = 4e-4
+    is_pooling: str = "mean"
+
+    @classmethod
+    def bind(cls, hp: Any) -> GSPOParams:
+        return cls(clip_low=hp.clip_low, clip_high=hp.clip_high, is_pooling=hp.is_pooling)
+
+
+@dataclass(frozen=True)
+class NoParams:
+    @classmethod
+    def bind(cls, hp: Any) -> NoParams:
+        return cls()
+
+
+def loss_kwargs(params: Any) -> dict[str, Any]:
+    """A params object as the objective's keyword arguments."""
+    return asdict(params)
 
 
 def _bounds(clip_low: float | None, clip_high: float | None) -> tuple[float | None, float | None]:
@@ -45,7 +94,7 @@ def _ratio_metrics(ratio: torch.Tensor, clipped: torch.Tensor, mask: torch.Tenso
     }
 
 
-@POLICY_LOSSES.register("ppo_clip")
+@POLICY_LOSSES.register("ppo_clip", params=ClipParams)
 def ppo_clip_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -84,7 +133,7 @@ def ppo_clip_loss(
     return loss, _ratio_metrics(ratio, clipped > unclipped, mask)
 
 
-@POLICY_LOSSES.register("cispo")
+@POLICY_LOSSES.register("cispo", params=CISPOParams)
 def cispo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -120,7 +169,7 @@ def cispo_loss(
     return loss, _ratio_metrics(ratio, weight != ratio, mask)
 
 
-@POLICY_LOSSES.register("reinforce")
+@POLICY_LOSSES.register("reinforce", params=NoParams, uses_ratio=False)
 def reinforce_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -183,7 +232,7 @@ def pooled_log_ratio(
     return total[segment] * m
 
 
-@POLICY_LOSSES.register("gspo")
+@POLICY_LOSSES.register("gspo", params=GSPOParams, takes_turn_ids=True)
 def gspo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,

@@ -8,6 +8,28 @@ import torch.nn.functional as F
 PREFERENCE_LOSSES = ("sigmoid", "ipo")
 
 
+def sequence_logps(token_logps: torch.Tensor, mask: torch.Tensor, *, average: bool = False) -> torch.Tensor:
+    """Each response's score from its token log-probs: the sum (log pi(y|x)), or the mean over
+    its tokens (``average``).
+
+    IPO (Azar et al. 2023, arXiv 2310.12036) regresses ``h`` onto ``1 / (2 tau)`` (eq. 17). With
+    summed log-probs, ``h`` grows with the responses' length while the target does not, so the
+    strength of the regularisation depends on length; the paper's authors advised averaging the
+    log-likelihoods over tokens when this was discussed with Hugging Face (the "Preference
+    Tuning LLMs with Direct Preference Optimization Methods" post, January 2024), and we do the
+    same for ``loss_type=ipo``. DPO's sigmoid loss keeps the summed log-probs of its eq. 7.
+
+    Args:
+        token_logps: Shape: (B, T)
+        mask: the response's tokens. Shape: (B, T)
+
+    Returns:
+        Shape: (B,)
+    """
+    total = (token_logps * mask).sum(-1)
+    return total / mask.sum(-1).clamp(min=1) if average else total
+
+
 def preference_loss(
     policy_chosen: torch.Tensor,
     policy_rejected: torch.Tensor,
@@ -19,6 +41,9 @@ def preference_loss(
     label_smoothing: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DPO (Rafailov et al. 2023, arXiv 2305.18290, eq. 7) and IPO (Azar et al. 2023, arXiv 2310.12036, eq. 17).
+
+    The inputs are sequence scores from :func:`sequence_logps`: summed log-probs for DPO, and
+    for IPO log-probs averaged over each response's tokens (see there).
 
     With ``h = (log pi(y_w) - log ref(y_w)) - (log pi(y_l) - log ref(y_l))``:
         ``sigmoid``: ``-(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)``

@@ -7,7 +7,7 @@ import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from peft import PeftModel
@@ -15,6 +15,9 @@ from torch import nn
 
 from rlhf_lightning.models.adapters import copy_adapter, save_adapters
 from rlhf_lightning.ops.logprobs import chunked_logprobs
+
+if TYPE_CHECKING:
+    from rlhf_lightning.envs.trajectory import TrajectoryBatch
 
 
 def cache_kwarg(module: nn.Module) -> str:
@@ -294,6 +297,51 @@ class Policy(nn.Module):
         logp = logp.masked_scatter(action_mask, logp_rows)
         entropy = None if ent_rows is None else torch.zeros_like(logp).masked_scatter(action_mask, ent_rows)
         return logp, entropy
+
+    def forward_heads(
+        self,
+        sub: TrajectoryBatch,
+        heads: tuple[str, ...] = ("logp",),
+        *,
+        temperature: float = 1.0,
+        chunk_rows: int | None = None,
+        reference: bool = False,
+    ) -> dict[str, torch.Tensor]:
+        """One call for what a (micro-)batch of trajectories needs from the model.
+
+        ``heads``: any of ``logp`` and ``entropy`` (one actor pass, or the reference's with
+        ``reference=True``) and ``value`` (the critic's pass). Each comes back Shape: (B, L-1),
+        0 outside the action tokens.
+        """
+        unknown = set(heads) - {"logp", "entropy", "value"}
+        if unknown:
+            raise ValueError(f"unknown heads {sorted(unknown)}; valid: logp, entropy, value")
+        out: dict[str, torch.Tensor] = {}
+        if "logp" in heads or "entropy" in heads:
+            logp, entropy = self.token_logprobs(
+                sub.input_ids,
+                sub.attention_mask,
+                sub.action_mask,
+                temperature=temperature,
+                chunk_rows=chunk_rows,
+                reference=reference,
+                return_entropy="entropy" in heads,
+                prompt_lens=sub.prompt_lens,
+                prefix_ids=sub.prefix_ids,
+                position_ids=sub.position_ids,
+            )
+            out["logp"] = logp
+            if entropy is not None:
+                out["entropy"] = entropy
+        if "value" in heads:
+            out["value"] = self.values(
+                sub.input_ids,
+                sub.attention_mask,
+                sub.action_mask,
+                prompt_lens=sub.prompt_lens,
+                prefix_ids=sub.prefix_ids,
+            )
+        return out
 
     def save_adapter(self, directory: str | Path) -> Path | None:
         """Write every LoRA adapter as a PEFT directory (``directory/actor``, ``reference``, ``critic``,

@@ -33,6 +33,14 @@ def liger_available() -> bool:
 
 def liger_unsupported(hp: Any) -> str | None:
     """Why Liger's loss cannot reproduce this config exactly, or None when it can."""
+    if not hasattr(hp, "loss") or hasattr(hp, "vf_coef") or getattr(hp, "entropy_coef", 0.0) > 0:
+        return f"algo.module={hp.module} (Liger's loss has no critic or entropy term; GRPO family only)"
+    if getattr(hp, "mask_truncated", False):
+        return "algo.mask_truncated=true (Liger takes the action mask as the loss mask)"
+    if getattr(hp, "offpolicy_token_bounds", None) is not None or getattr(
+        hp, "offpolicy_seq_threshold", None
+    ):
+        return "off-policy masks (algo.offpolicy_token_bounds / offpolicy_seq_threshold)"
     if (hp.loss, hp.loss_agg_mode) not in _LOSS_TYPES:
         supported = ", ".join(f"{a}+{b}" for a, b in _LOSS_TYPES)
         return f"algo.loss={hp.loss} with algo.loss_agg_mode={hp.loss_agg_mode} (Liger covers {supported})"

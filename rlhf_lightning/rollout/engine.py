@@ -22,6 +22,9 @@ class SamplingParams:
     top_k: int = 0
     n: int = 1
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings
+    repetition_penalty: float = 1.0  # 1.0: off
+    min_p: float = 0.0  # 0.0: off
 
     @property
     def greedy(self) -> bool:
@@ -32,14 +35,21 @@ class SamplingParams:
 class Completion:
     """One sampled continuation.
 
-    ``logprobs[i]`` is the log-prob of ``token_ids[i]`` under the sampling distribution at
-    temperature ``T`` before top-k/top-p filtering (``log_softmax(logits / T)``; T = 1 when
-    greedy), which is what the trainer recomputes for importance ratios.
+    ``logprobs[i]`` is the log-prob of ``token_ids[i]`` under the distribution it was actually
+    sampled from: ``log_softmax`` of the processed scores, i.e. the logits after the repetition
+    penalty, divided by the temperature, then min-p, top-k and top-p filtered (vLLM's order;
+    filtered tokens are -inf). Greedy (T = 0) uses the penalised logits at temperature 1 with
+    no filtering. Both engines return this kind (vLLM: ``logprobs_mode="processed_logprobs"``).
+    With no penalty and no filtering it equals ``log_softmax(logits / T)``, which the trainer
+    recomputes; otherwise the gap shows in ``is/gap_mean`` and truncated importance sampling
+    corrects for it.
     """
 
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: str  # "stop" (a stop token was generated, and is included) or "length"
+    # "stop" (a stop token, kept, or a stop string, ending on the token that completed it) or
+    # "length" (cut at max_new_tokens)
+    finish_reason: str
     prompt_index: int = 0
     extra: dict = field(default_factory=dict)
 

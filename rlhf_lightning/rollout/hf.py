@@ -1,12 +1,31 @@
-"""Generation with the policy itself through transformers' ``generate`` (the CPU default)."""
+"""Generation with the policy itself through transformers' ``generate`` (the CPU default).
+
+Sampling is specified by :class:`SamplingParams` alone. ``generate`` fills every field a
+``GenerationConfig`` leaves unset from the checkpoint's own ``generation_config`` (Qwen2.5-Instruct
+ships ``repetition_penalty=1.05``, ``top_k=20``, ...), so the engine hides that config for the call
+and applies every logits transform itself, in vLLM's order (repetition penalty, temperature, min-p,
+top-k, top-p): both engines sample the same distribution and return the same log-prob kind.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
+from transformers import GenerationConfig
+from transformers.generation import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    StoppingCriteria,
+    StoppingCriteriaList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from rlhf_lightning.models.policy import cache_kwarg, output_cache
 from rlhf_lightning.rollout.engine import Completion, SamplingParams
@@ -24,6 +43,8 @@ class HFEngine:
         share_prefill: run the prompt forward once per distinct prompt and copy its KV cache to
             every sample of that prompt (group members share their prompt): same samples, a
             fraction of the prefill cost.
+        tokenizer: decodes completions to match ``SamplingParams.stop`` strings; required only
+            when stop strings are used.
     """
 
     def __init__(
@@ -33,12 +54,14 @@ class HFEngine:
         eos_token_ids: list[int],
         max_batch_size: int | None = None,
         share_prefill: bool = True,
+        tokenizer: Any = None,
     ) -> None:
         self.model_fn = model_fn
         self.pad_token_id = pad_token_id
         self.eos_token_ids = list(eos_token_ids)
         self.max_batch_size = max_batch_size
         self.share_prefill = share_prefill
+        self.tokenizer = tokenizer
 
     def sleep(self) -> None:  # shares the trainer's weights: nothing to free
         pass
@@ -51,6 +74,11 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
+        if params.stop and self.tokenizer is None:
+            raise ValueError(
+                f"HFEngine: stop strings {list(params.stop)} need a tokenizer to decode completions; "
+                "build the engine with HFEngine(..., tokenizer=tokenizer)"
+            )
         rows = [ids for ids in prompt_token_ids for _ in range(params.n)]
         index = [i for i in range(len(prompt_token_ids)) for _ in range(params.n)]
         size = self.max_batch_size or max(len(rows), 1)
@@ -64,59 +92,28 @@ class HFEngine:
     ) -> list[Completion]:
         model = self.model_fn()
         device = next(model.parameters()).device
-        width = max(len(r) for r in rows)
-        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):  # left padding: the last prompt token sits at the right edge
-            ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
-            mask[i, width - len(r) :] = 1
-        stop = self.eos_token_ids + [t for t in params.stop_token_ids if t not in self.eos_token_ids]
-        sampling = (
-            {"do_sample": False}
-            if params.greedy
-            else {
-                "do_sample": True,
-                "temperature": params.temperature,
-                "top_p": params.top_p,
-                "top_k": params.top_k,
-            }
-        )
-        ids, mask = ids.to(device), mask.to(device)
-        was_training = model.training
-        model.eval()
-        try:
+        ids, mask = left_pad(rows, self.pad_token_id, device)
+        width = ids.shape[1]
+        stop_ids = self.eos_token_ids + [t for t in params.stop_token_ids if t not in self.eos_token_ids]
+        stop_strings = StopStrings(self.tokenizer, params.stop, width, len(rows)) if params.stop else None
+        with _eval_mode(model), _checkpoint_generation_config_hidden(model):
             cache = self._shared_prefill(model, rows, ids, mask) if self.share_prefill else {}
             out = model.generate(
                 input_ids=ids,
                 attention_mask=mask,
-                max_new_tokens=params.max_new_tokens,
-                eos_token_id=stop,
-                pad_token_id=self.pad_token_id,
-                output_logits=True,
-                return_dict_in_generate=True,
+                generation_config=clean_generation_config(params, stop_ids, self.pad_token_id),
+                logits_processor=logits_processors(params, pad_lengths=width - mask.sum(-1)),
+                stopping_criteria=StoppingCriteriaList([stop_strings] if stop_strings else []),
                 **cache,
-                **sampling,
             )
-        finally:
-            model.train(was_training)
-        new = out.sequences[:, width:]  # (n, S)
-        temperature = 1.0 if params.greedy else params.temperature
-        logits = torch.stack(out.logits, dim=1).float() / temperature  # (n, S, V)
-        logps = logits.log_softmax(-1).gather(-1, new[..., None]).squeeze(-1)  # (n, S)
-        is_stop = torch.isin(new, torch.tensor(stop, device=new.device))
-        # Length of each completion: through the first stop token, else all S tokens.
-        first_stop = torch.where(is_stop.any(-1), is_stop.int().argmax(-1) + 1, new.shape[1])
-        new_l, logp_l, len_l, stopped = (
-            new.tolist(),
-            logps.tolist(),
-            first_stop.tolist(),
-            is_stop.any(-1).tolist(),
-        )
+        new = out.sequences[:, width:]  # (B, S)
+        logps = processed_logprobs(out.scores, new)  # (B, S)
+        ends: list[int | None] = list(stop_strings.ended_at) if stop_strings else [None] * len(rows)
+        lengths, stopped = completion_ends(new, stop_ids, ends)
+        new_l, logp_l = new.tolist(), logps.tolist()
         return [
-            Completion(
-                new_l[i][: len_l[i]], logp_l[i][: len_l[i]], "stop" if stopped[i] else "length", index[i]
-            )
-            for i in range(len(rows))
+            Completion(new_l[i][:n], logp_l[i][:n], "stop" if stopped[i] else "length", index[i])
+            for i, n in enumerate(lengths)
         ]
 
     @staticmethod
@@ -139,3 +136,182 @@ class HFEngine:
         )
         cache.batch_select_indices(expand)
         return {cache_kwarg(lm): cache}
+
+
+# ---------------------------------------------------------------- sampling configuration
+def left_pad(rows: list[list[int]], pad_token_id: int, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ids and attention mask (the last prompt token sits at the right edge). Shape: (B, W)"""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+        mask[i, width - len(r) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def clean_generation_config(
+    params: SamplingParams, stop_ids: list[int], pad_token_id: int
+) -> GenerationConfig:
+    """A ``GenerationConfig`` whose own transforms are all off: sampling (or greedy argmax) of the
+    scores that :func:`logits_processors` produce, stopping at ``stop_ids`` or the length limit.
+
+    ``top_k=0`` is explicit because ``generate`` would otherwise fill in its global default of 50.
+    """
+    sampling = {"temperature": 1.0, "top_k": 0, "top_p": 1.0} if not params.greedy else {}
+    return GenerationConfig(
+        do_sample=not params.greedy,
+        num_beams=1,
+        num_return_sequences=1,
+        repetition_penalty=1.0,
+        max_new_tokens=params.max_new_tokens,
+        eos_token_id=stop_ids,
+        pad_token_id=pad_token_id,
+        output_scores=True,  # the processed scores sampled from: their log_softmax is what we return
+        return_dict_in_generate=True,
+        use_cache=True,
+        **sampling,
+    )
+
+
+def logits_processors(params: SamplingParams, pad_lengths: torch.Tensor) -> LogitsProcessorList:
+    """The score transforms of ``params`` in vLLM's sampler order: repetition penalty, then (when
+    sampling) temperature, min-p, top-k, top-p. Greedy decoding takes the argmax of the penalized
+    logits (temperature 1, no filtering), as vLLM does.
+
+    Args:
+        pad_lengths: left padding of each row, not part of its prompt. Shape: (B,)
+    """
+    out = LogitsProcessorList()
+    if params.repetition_penalty != 1.0:
+        out.append(RepetitionPenalty(params.repetition_penalty, pad_lengths))
+    if params.greedy:
+        return out
+    if params.temperature != 1.0:
+        out.append(TemperatureLogitsWarper(params.temperature))
+    if params.min_p > 0.0:
+        out.append(MinPLogitsWarper(params.min_p))
+    if params.top_k > 0:
+        out.append(TopKLogitsWarper(params.top_k))
+    if params.top_p < 1.0:
+        out.append(TopPLogitsWarper(params.top_p))
+    return out
+
+
+class RepetitionPenalty(LogitsProcessor):
+    """vLLM's repetition penalty (CTRL, Keskar et al. 2019): the logit of every token id that occurs
+    in the prompt or the completion so far is divided by ``penalty`` if positive, else multiplied.
+
+    Unlike transformers' own processor, left padding does not count as "seen": the pad id is
+    penalized only where it really occurs, as in vLLM, which never sees padding.
+
+    Args:
+        penalty: > 0; 1.0 is a no-op.
+        pad_lengths: left padding of each row. Shape: (B,)
+    """
+
+    def __init__(self, penalty: float, pad_lengths: torch.Tensor) -> None:
+        self.penalty = penalty
+        self.pad_lengths = pad_lengths
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """input_ids: (B, L) prompt + completion so far; scores: (B, V) -> (B, V)"""
+        b, length = input_ids.shape
+        vocab = scores.shape[-1]
+        real = torch.arange(length, device=input_ids.device)[None, :] >= self.pad_lengths[:, None]
+        ids = torch.where(real, input_ids, vocab).clamp(max=vocab)  # padding -> a dropped column
+        seen = torch.zeros(b, vocab + 1, dtype=torch.bool, device=scores.device)
+        seen = seen.scatter_(1, ids, True)[:, :vocab]
+        penalized = torch.where(scores > 0, scores / self.penalty, scores * self.penalty)
+        return torch.where(seen, penalized, scores)
+
+
+class StopStrings(StoppingCriteria):
+    """Ends a row once its completion text contains a stop string, with vLLM's rule: anywhere in
+    the decoded completion (prompt excluded, special tokens skipped), checked after every token,
+    so the row ends on the token that completes the string. Records that length per row.
+
+    Only the last ``window`` tokens are decoded each step: a stop string of b UTF-8 bytes spans at
+    most b tokens that decode to text (byte-level BPE, SentencePiece byte fallback), plus two of
+    leading context. This costs one host sync and one small batch decode per step.
+
+    Args:
+        tokenizer: decodes token ids.
+        stop: the stop strings.
+        prompt_width: columns of (left-padded) prompt before the first generated token.
+        batch_size: rows.
+    """
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str], prompt_width: int, batch_size: int) -> None:
+        self.tokenizer, self.stop, self.prompt_width = tokenizer, list(stop), prompt_width
+        self.window = max(len(s.encode()) for s in self.stop) + 2
+        self.ended_at: list[int | None] = [None] * batch_size  # completion length at the first match
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        generated = input_ids.shape[1] - self.prompt_width
+        tail = input_ids[:, max(self.prompt_width, input_ids.shape[1] - self.window) :]
+        texts = self.tokenizer.batch_decode(tail.tolist(), skip_special_tokens=True)
+        hit = [any(s in t for s in self.stop) for t in texts]
+        for i, h in enumerate(hit):
+            if h and self.ended_at[i] is None:
+                self.ended_at[i] = generated
+        return torch.tensor(hit, dtype=torch.bool, device=input_ids.device)
+
+
+# ---------------------------------------------------------------- outputs
+def processed_logprobs(scores: Sequence[torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+    """Log-prob of each sampled token under the distribution it was sampled from.
+
+    Args:
+        scores: per step, the processed scores (after penalty, temperature and filtering; -inf
+            for filtered tokens). S tensors of shape (B, V)
+        tokens: the sampled tokens. Shape: (B, S)
+
+    Returns:
+        ``log_softmax(scores)`` at the sampled tokens, float32. Shape: (B, S)
+    """
+    logps = torch.stack(list(scores), dim=1).float().log_softmax(-1)  # (B, S, V)
+    return logps.gather(-1, tokens[..., None]).squeeze(-1)
+
+
+def completion_ends(
+    tokens: torch.Tensor, stop_ids: list[int], string_ends: list[int | None]
+) -> tuple[list[int], list[bool]]:
+    """Length and stop flag of each completion: through its first stop token or the token that
+    completed a stop string, whichever comes first; else all S tokens.
+
+    Args:
+        tokens: generated tokens; rows that stopped early are padded after their end. Shape: (B, S)
+        stop_ids: token ids that end a completion (kept in it).
+        string_ends: per row, the length at which a stop string was completed, or None.
+    """
+    width = tokens.shape[1]
+    is_stop = torch.isin(tokens, torch.tensor(stop_ids, device=tokens.device))
+    has_stop = is_stop.any(-1)
+    first = torch.where(has_stop, is_stop.int().argmax(-1) + 1, width).tolist()
+    ends = [min(f, width if s is None else s) for f, s in zip(first, string_ends)]
+    stopped = [t or s is not None for t, s in zip(has_stop.tolist(), string_ends)]
+    return ends, stopped
+
+
+@contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+@contextmanager
+def _checkpoint_generation_config_hidden(model: Any) -> Iterator[None]:
+    """Give the model a blank ``generation_config`` for the call: ``generate`` fills every field our
+    config leaves unset (``suppress_tokens``, ``no_repeat_ngram_size``, ...) from it."""
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    saved = lm.generation_config
+    lm.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        lm.generation_config = saved

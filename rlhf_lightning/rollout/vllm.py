@@ -7,7 +7,7 @@ sampled tokens' log-probs out, so multi-turn trajectories stay token-exact.
 Weight sync: with LoRA, the actor adapter is exported to a staging directory and loaded in
 place into one resident adapter slot (fixed id), once per sync; every request then names that
 slot (base and LoRA requests are never mixed in one batch). With full fine-tuning the updated
-weights are pushed into the engine (``reload_weights``) and its prefix cache is reset.
+weights are pushed into the engine (``reload_weights``). Either way the prefix cache is reset.
 """
 
 from __future__ import annotations
@@ -123,7 +123,9 @@ class VLLMEngine:
             "max_model_len": self.max_model_len,
             "enforce_eager": self.enforce_eager,
             "seed": self.seed,
-            "logprobs_mode": "processed_logprobs",  # log_softmax(logits / T): what the trainer computes
+            # log_softmax of the scores sampled from (after penalty, temperature, min-p/top-k/top-p),
+            # the HF engine's kind too
+            "logprobs_mode": "processed_logprobs",
             "enable_prefix_caching": self.enable_prefix_caching,
         }
         if self.kv_cache_memory_bytes is not None:
@@ -217,13 +219,19 @@ class VLLMEngine:
                     vllm.lora.request.LoRARequest(LORA_NAME, LORA_ID, str(out), load_inplace=True)
                 )
             self._lora_request = vllm.lora.request.LoRARequest(LORA_NAME, LORA_ID, str(out))
-            return
-        state = {
-            k: v.detach().to("cpu" if not self.on_gpu else v.device)
-            for k, v in policy.causal_lm.state_dict().items()
-        }
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state.items())})
-        self.llm.reset_prefix_cache()
+        else:
+            state = {
+                k: v.detach().to("cpu" if not self.on_gpu else v.device)
+                for k, v in policy.causal_lm.state_dict().items()
+            }
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state.items())})
+        # Cached KV blocks were computed with the old weights, and with LoRA the slot keeps its id, so
+        # they keep their hashes and would be reused. Sleep (level >= 1) clears the cache, but it is a
+        # no-op on CPU and with rollout.sleep_mode=false: reset after every sync.
+        if self.llm.reset_prefix_cache() is False:
+            raise RuntimeError(
+                "vLLM refused to reset its prefix cache after a weight sync (requests running?)"
+            )
 
     # ---------------------------------------------------------------- generation
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
@@ -231,15 +239,7 @@ class VLLMEngine:
         vllm = import_vllm()
         from vllm.inputs import TokensPrompt
 
-        sp = vllm.SamplingParams(
-            n=params.n,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            max_tokens=params.max_new_tokens,
-            logprobs=0,
-            stop_token_ids=list(params.stop_token_ids) or None,
-        )
+        sp = vllm_sampling_params(vllm, params)
         lora = getattr(self, "_lora_request", None) if self.lora_rank is not None else None
         if self.lora_rank is not None and lora is None:
             raise RuntimeError(
@@ -254,6 +254,25 @@ class VLLMEngine:
                 logps = [float(step[t].logprob) for step, t in zip(c.logprobs, ids)]
                 out.append(Completion(ids, logps, "stop" if c.finish_reason == "stop" else "length", i))
         return out
+
+
+def vllm_sampling_params(vllm: Any, params: SamplingParams) -> Any:
+    """vLLM's ``SamplingParams`` for ``params``, asking for the sampled token's log-prob (processed:
+    after penalty, temperature and filtering, see ``logprobs_mode``). A stop string stays in the
+    output text, as in the HF engine; either way the completion ends on the token completing it."""
+    return vllm.SamplingParams(
+        n=params.n,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty,
+        max_tokens=params.max_new_tokens,
+        logprobs=0,
+        stop=list(params.stop) or None,
+        include_stop_str_in_output=True,
+        stop_token_ids=list(params.stop_token_ids) or None,
+    )
 
 
 class _null:

@@ -25,7 +25,7 @@ def test_reduce_to_steps_mean_and_final():
     idx, s = step_index(ACTION, TURNS, "turn")
     assert reduce_to_steps(v, idx, s, "mean").tolist() == [[2.0, 4.0], [4.0, 0.0]]
     assert reduce_to_steps(v, idx, s, "final_value").tolist() == [[3.0, 6.0], [0.0, 0.0]]
-    with pytest.raises(ValueError, match="mean or final_value"):
+    with pytest.raises(ValueError, match="one of state, mean, final_value"):
         reduce_to_steps(v, idx, s, "max")
 
 

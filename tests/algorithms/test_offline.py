@@ -104,44 +104,6 @@ def test_dpo_learns_the_shipped_preferences(tmp_path):
     assert float(last["eval/rewards_margin"]) > float(first["eval/rewards_margin"]) + 0.3
 
 
-def test_separate_reference_adapter_moves_every_interval(tmp_path, caplog):
-    cfg = compose_config(
-        [
-            *QUICK,
-            "algo=dpo",
-            "algo.batch_size=8",
-            "algo.use_separate_reference_adapter=true",
-            "algo.ref_update_interval=2",
-            "algo.lr=1e-2",
-            "algo.env_eval=false",
-        ],
-        output_dir=tmp_path / "run",
-    )
-    seen = []
-
-    def hook(module):
-        original = module.maybe_update_reference
-
-        def spy():
-            original()
-            pol = module.policy
-            actor = [p for n, p in pol.named_parameters() if ".actor." in n]
-            ref = [p for n, p in pol.named_parameters() if ".reference." in n]
-            seen.append(all(torch.equal(a, r) for a, r in zip(actor, ref)))
-
-        module.maybe_update_reference = spy
-
-    fit_steps(cfg, tmp_path, steps=4, module_hook=hook)
-    assert seen == [False, True, False, True]
-    cfg = compose_config(
-        [*QUICK, "algo=dpo", "algo.batch_size=8", "algo.ref_update_interval=1", "algo.env_eval=false"],
-        output_dir=tmp_path / "r2",
-    )
-    with caplog.at_level("WARNING"):
-        fit_steps(cfg, tmp_path, steps=2)
-    assert sum("cannot move" in r.getMessage() for r in caplog.records) == 1
-
-
 def adapters_equal(policy, a: str, b: str) -> bool:
     params = dict(policy.named_parameters())
     pairs = [(p, params[n.replace(f".{a}.", f".{b}.")]) for n, p in params.items() if f".{a}." in n]

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rlhf_lightning.envs.trajectory import Trajectory, collate
@@ -76,9 +77,11 @@ def test_greedy_is_deterministic(tiny_model, tiny_tokenizer):
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
 
 
-def test_shared_prefill_gives_the_same_samples(tiny_model, tiny_tokenizer):
+@pytest.mark.parametrize("processed", [False, True], ids=["plain", "penalty_min_p_stop"])
+def test_shared_prefill_gives_the_same_samples(tiny_model, tiny_tokenizer, processed):
     ps = [list(p) for p in prompts(tiny_tokenizer)]
     rows = [ps[0], ps[1], ps[0], ps[2], ps[1], ps[0]]  # repeated prompts, any order
+    extra = {"repetition_penalty": 1.4, "min_p": 0.05, "top_k": 20, "stop": ("3",)} if processed else {}
     outs = []
     for share in (True, False):
         engine = HFEngine(
@@ -86,9 +89,13 @@ def test_shared_prefill_gives_the_same_samples(tiny_model, tiny_tokenizer):
             tiny_tokenizer.pad_token_id,
             [tiny_tokenizer.eos_token_id],
             share_prefill=share,
+            tokenizer=tiny_tokenizer,
         )
         torch.manual_seed(3)
-        outs.append(engine.generate(rows, SamplingParams(max_new_tokens=6, temperature=1.0)))
+        outs.append(engine.generate(rows, SamplingParams(max_new_tokens=6, temperature=1.0, **extra)))
     assert [c.token_ids for c in outs[0]] == [c.token_ids for c in outs[1]]
     for a, b in zip(outs[0], outs[1]):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)
+    if processed:  # some rows ended on the stop string, before their eos
+        eos = tiny_tokenizer.eos_token_id
+        assert any(c.finish_reason == "stop" and c.token_ids[-1] != eos for c in outs[0])

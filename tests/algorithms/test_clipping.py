@@ -1,0 +1,49 @@
+"""Gradient clipping goes through Lightning, after mixed precision has unscaled the gradients."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+
+from rlhf_lightning.run import build
+from tests.conftest import FAST, compose_config
+
+
+def grad_norm_of_first_step(tmp_path, precision: str) -> float:
+    cfg = compose_config([*FAST, "algo.grad_clip=1e-3"], output_dir=tmp_path / precision)
+    L.seed_everything(0)
+    module, dm = build(cfg, tmp_path)
+    trainer = L.Trainer(
+        max_steps=1,
+        precision=precision,  # Lightning runs "16-mixed" as bf16 autocast on a CPU ...
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
+    if precision == "16-mixed":  # ... so give it fp16's loss scaler, at a large scale as at the start
+        trainer.precision_plugin.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    seen: list[torch.Tensor] = []
+    original = module.clip_gradients_
+
+    def spy(*args):
+        out = original(*args)
+        # after clipping, the (unscaled) gradients have the clip norm
+        grads = [p.grad for p in module.policy.trainable_parameters() if p.grad is not None]
+        seen.append(torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads])))
+        return out
+
+    module.clip_gradients_ = spy
+    trainer.fit(module, datamodule=dm)
+    assert seen, "no optimizer step ran"
+    torch.testing.assert_close(seen[0], torch.tensor(1e-3), rtol=1e-3, atol=0)
+    return float(trainer.callback_metrics["actor/grad_norm"])
+
+
+def test_clipping_sees_unscaled_gradients_under_fp16_mixed_precision(tmp_path):
+    full = grad_norm_of_first_step(tmp_path, "32-true")
+    mixed = grad_norm_of_first_step(tmp_path, "16-mixed")
+    # The same gradient up to fp16 rounding, not 2**16 times larger.
+    assert abs(mixed - full) / full < 0.05, (mixed, full)
