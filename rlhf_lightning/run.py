@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from omegaconf import DictConfig, OmegaConf
 
 from rlhf_lightning.algorithms.spec import get_algorithm
-from rlhf_lightning.callbacks import AdapterExport, SampleTable
+from rlhf_lightning.callbacks import AdapterExport, SameConfigOnAllRanks, SampleTable, config_digest
 from rlhf_lightning.config import register_configs
 from rlhf_lightning.data.offline import OfflineDataModule
 from rlhf_lightning.data.prompts import PromptDataModule
@@ -27,6 +27,7 @@ from rlhf_lightning.models.build import build_policy, load_model, load_tokenizer
 from rlhf_lightning.rollout.callback import RolloutEngineCallback
 from rlhf_lightning.rollout.engine import SamplingParams
 from rlhf_lightning.rollout.hf import HFEngine
+from rlhf_lightning.strategies import build_strategy, distributed_job, single_job_argv
 from rlhf_lightning.validation import ConfigError, validate
 
 log = logging.getLogger(__name__)
@@ -247,6 +248,11 @@ class RunResult:
 
 def run(cfg: DictConfig, extra_callbacks: Sequence[L.Callback] = ()) -> RunResult:
     """Train with ``cfg`` (a composed ``conf/config.yaml``): validate, build, evaluate, fit, evaluate."""
+    with distributed_job():
+        return _run(cfg, extra_callbacks)
+
+
+def _run(cfg: DictConfig, extra_callbacks: Sequence[L.Callback]) -> RunResult:
     validate(cfg)
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
@@ -279,12 +285,18 @@ def run(cfg: DictConfig, extra_callbacks: Sequence[L.Callback] = ()) -> RunResul
         callbacks.append(SampleTable(cfg.samples.every_n_steps, output_dir))
     if cfg.trainer.enable_progress_bar:
         callbacks.append(RichProgressBar(leave=True))
+    callbacks.append(SameConfigOnAllRanks(config_digest(cfg)))
     engine_callback = RolloutEngineCallback(getattr(cfg.rollout, "offload_trainer_during_rollout", False))
     callbacks.append(engine_callback)
     callbacks.extend(extra_callbacks)
     trainer_kwargs = cast(dict[str, Any], OmegaConf.to_container(cfg.trainer, resolve=True))
+    single_job_argv()  # a multirun job's other ranks run this job only
     trainer = L.Trainer(
-        **trainer_kwargs, logger=loggers, callbacks=callbacks, default_root_dir=str(output_dir)
+        **trainer_kwargs,
+        strategy=build_strategy(cfg.strategy),
+        logger=loggers,
+        callbacks=callbacks,
+        default_root_dir=str(output_dir),
     )
     try:
         if cfg.eval.before_training and not ckpt_path:
@@ -298,9 +310,10 @@ def run(cfg: DictConfig, extra_callbacks: Sequence[L.Callback] = ()) -> RunResul
         engine_callback.close(module)
         finish_wandb()
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    log.info(
-        "run finished in %s: %s",
-        output_dir,
-        {k: round(v, 4) for k, v in metrics.items() if k.startswith("eval/")},
-    )
+    if trainer.is_global_zero:
+        log.info(
+            "run finished in %s: %s",
+            output_dir,
+            {k: round(v, 4) for k, v in metrics.items() if k.startswith("eval/")},
+        )
     return RunResult(metrics, module, trainer, output_dir)

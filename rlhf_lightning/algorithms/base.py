@@ -21,6 +21,7 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler
 
 from rlhf_lightning.algorithms.common import MetricAccumulator, Metrics, adamw_with_schedule
+from rlhf_lightning.algorithms.distributed import agree_max
 from rlhf_lightning.algorithms.evaluation import RolloutEvaluation
 from rlhf_lightning.algorithms.liger_path import LigerObjective, use_liger
 from rlhf_lightning.algorithms.objective import (
@@ -198,10 +199,15 @@ class RolloutModule(RolloutEvaluation):
 
     @property
     def rollout_batch_size(self) -> int:
-        return self.hp.prompts_per_step * self.hp.group_size
+        """Trajectories per training step on this rank (``prompts_per_step`` is global)."""
+        return cast(int, self.per_rank(self.hp.prompts_per_step, "prompts_per_step")) * self.hp.group_size
 
     def mini_batch_size(self, n: int) -> int:
-        return min(self.hp.mini_batch_size or n, n)
+        """Trajectories per optimizer step on this rank (``algo.mini_batch_size`` is global)."""
+        return min(self.per_rank(self.hp.mini_batch_size, "mini_batch_size") or n, n)
+
+    def micro_batch_size(self, n: int) -> int:
+        return min(self.per_rank(self.hp.micro_batch_size, "micro_batch_size") or n, n)
 
     def old_logprobs(self, traj: TrajectoryBatch) -> torch.Tensor | None:
         """The behaviour log-probs the ratios use.
@@ -233,8 +239,8 @@ class RolloutModule(RolloutEvaluation):
             Shape: (B, L-1)
         """
         out = torch.zeros(traj.action_mask.shape, device=self.device)
-        micro = self.hp.micro_batch_size or len(traj)
-        for index in torch.arange(len(traj), device=self.device).split(micro):
+        micro = self.micro_batch_size(len(traj))
+        for index in torch.arange(len(traj), device=self.device).split(max(micro, 1)):
             value = self.policy.forward_heads(
                 traj.select(index),
                 (head,),
@@ -304,24 +310,29 @@ class RolloutModule(RolloutEvaluation):
         sched = cast(LRScheduler, self.lr_schedulers())
         n = len(traj)
         mini = self.mini_batch_size(n)
-        micro = min(self.hp.micro_batch_size or mini, mini)
+        micro = self.micro_batch_size(mini)
         # Rows whose advantage is 0 everywhere add no gradient unless a KL loss term is used.
         seq_adv = (adv if adv.dim() == 1 else (adv * loss_mask).abs().sum(-1)) * loss_mask.any(-1)
         kl_in_loss = self.hp.beta > 0 and self.hp.kl_mode == "loss"
         skip_zero = not kl_in_loss and self.can_skip_zero_advantage()
         actor = self.actor_loss_enabled()
+        # Every rank takes the same number of optimizer steps (a rank with fewer rows after
+        # dynamic sampling runs empty mini-batches); micro-batch counts may differ freely.
+        minis = agree_max(-(-n // mini), self.world_size, self.device)
         acc = MetricAccumulator()
         for _ in range(self.hp.update_epochs):
             order = torch.randperm(n, device=self.device) if n > mini else torch.arange(n, device=self.device)
-            for mb in order.split(mini):
-                # Normalisers of the whole mini-batch (summed over ranks under DDP).
+            batches = list(order.split(mini))
+            batches += [order[:0]] * (minis - len(batches))
+            for mb in batches:
+                # Normalisers of the whole mini-batch, global over ranks.
                 norm = self.normalisers(loss_mask[mb], mb)
                 run = mb[seq_adv[mb] != 0] if skip_zero else mb
                 mb_loss = torch.zeros((), device=self.device)
                 mb_actor = torch.zeros((), device=self.device)
                 for index in run.split(micro) if len(run) else ():
                     loss, m = self.micro_step(traj, adv, loss_mask, old_logp, ref_logp, index, norm, actor)
-                    self.manual_backward(loss)
+                    self.backward_(loss)
                     mb_loss = mb_loss + loss.detach()
                     mb_actor = mb_actor + m.pop("actor/loss_part", torch.zeros((), device=self.device))
                     acc.add(m, weight=loss_mask[index].sum())
@@ -351,13 +362,6 @@ class RolloutModule(RolloutEvaluation):
             "num_seqs": self.global_count(torch.tensor(float(mask.shape[0]), device=mask.device)),
         }
 
-    def global_count(self, count: torch.Tensor) -> torch.Tensor:
-        """A count summed over ranks, per rank (the DDP gradient average divides by the world size)."""
-        world = self.trainer.world_size if self._trainer is not None else 1
-        if world > 1:
-            count = self.trainer.strategy.reduce(count, reduce_op="sum")
-        return count / world
-
     def micro_step(
         self,
         traj: TrajectoryBatch,
@@ -382,7 +386,7 @@ class RolloutModule(RolloutEvaluation):
             old_logp=_rows(old_logp, index, width),
             ref_logp=_rows(ref_logp, index, width) if self.hp.kl_mode == "loss" else None,
         )
-        return self.objective(self.policy, mb, norm, self.manual_backward, actor)
+        return self.objective(self.policy, mb, norm, self.backward_, actor)
 
     @property
     def max_len_norm(self) -> int:

@@ -13,6 +13,7 @@ import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from rlhf_lightning.algorithms.distributed import all_sum, no_backward_sync, reduce_metrics, sync_gradients
 from rlhf_lightning.algorithms.schedule import warmup_cosine
 
 Metrics = dict[str, torch.Tensor]
@@ -73,6 +74,40 @@ class ModuleMixin(L.LightningModule):
     hp: Any
     _grad_metrics: Metrics
 
+    @property
+    def world_size(self) -> int:
+        return self.trainer.world_size if self._trainer is not None else 1
+
+    @property
+    def rank(self) -> int:
+        return self.trainer.global_rank if self._trainer is not None else 0
+
+    def per_rank(self, size: int | None, field: str) -> int | None:
+        """A global batch size (``algo.<field>``) split across ranks."""
+        if size is None:
+            return None
+        if size % self.world_size:
+            from rlhf_lightning.validation import ConfigError
+
+            raise ConfigError(
+                f"algo.{field}",
+                size,
+                f"a multiple of the number of processes ({self.world_size}): batch sizes are global",
+            )
+        return size // self.world_size
+
+    def global_count(self, count: torch.Tensor) -> torch.Tensor:
+        """A count summed over ranks, per rank: each rank's loss is normalised by it, and the
+        gradient average over ranks divides by the world size, so the update is the global one."""
+        return all_sum(count, self.world_size) / self.world_size
+
+    def backward_(self, loss: torch.Tensor) -> None:
+        """``manual_backward`` without DDP's per-backward all-reduce: gradients accumulate locally
+        and :meth:`optimizer_step_` averages them once, so ranks may run different numbers of
+        passes (skipped rows, refills) and never wait on each other inside a backward."""
+        with no_backward_sync(self.trainer.strategy if self._trainer is not None else None):
+            self.manual_backward(loss)
+
     def optimizer_step_(self) -> Metrics:
         """Clip, step, zero the gradients, advance the schedule, refresh the reference on its
         interval. Returns the gradient norm(s) before clipping.
@@ -83,6 +118,7 @@ class ModuleMixin(L.LightningModule):
         opt = cast(LightningOptimizer, self.optimizers())
         sched = cast(LRScheduler, self.lr_schedulers())
         self._grad_metrics = {}
+        sync_gradients(self.policy.trainable_parameters(), self.world_size)  # one collective per step
         opt.step()
         opt.zero_grad(set_to_none=True)
         sched.step()
@@ -109,14 +145,14 @@ class ModuleMixin(L.LightningModule):
             self.policy.copy_actor_to_reference()
 
     def log_metrics(self, metrics: Metrics) -> None:
-        """Send metrics to every logger at ``step`` = optimizer updates done so far (0 before
-        training), and keep them in ``trainer.callback_metrics``."""
+        """Send metrics, averaged over ranks, to every logger at ``step`` = optimizer updates done
+        so far (0 before training), and keep them in ``trainer.callback_metrics``."""
         if self._trainer is None:
             return
-        values = {k: float(v) for k, v in metrics.items()}
+        values = reduce_metrics({k: float(v) for k, v in metrics.items()}, self.world_size)  # global
         for logger in self.loggers:
             logger.log_metrics(values, step=self.global_step)
-        self.trainer.callback_metrics.update({k: v.detach().cpu() for k, v in metrics.items()})
+        self.trainer.callback_metrics.update({k: torch.tensor(v) for k, v in values.items()})
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Keep trainable weights (and a reference adapter, which may move) only: the frozen base

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from rlhf_lightning.algorithms.checks import validate_dpo
 from rlhf_lightning.algorithms.common import Metrics
 from rlhf_lightning.algorithms.offline import OfflineModule
 from rlhf_lightning.algorithms.spec import AlgorithmSpec, register_algorithm
 from rlhf_lightning.config import DPOConfig
 from rlhf_lightning.envs.trajectory import TrajectoryBatch
 from rlhf_lightning.losses.preference import preference_loss, sequence_logps
-from rlhf_lightning.validation import validate_dpo
 
 
 class DPOModule(OfflineModule):
@@ -22,7 +22,7 @@ class DPOModule(OfflineModule):
         return len(batch) // 2
 
     def normaliser(self, batch: TrajectoryBatch) -> torch.Tensor:
-        return torch.tensor(float(self.units(batch)), device=self.device)
+        return self.global_count(torch.tensor(float(self.units(batch)), device=self.device))
 
     def pair_rows(self, batch: TrajectoryBatch, index: torch.Tensor) -> torch.Tensor:
         return torch.cat([index, index + self.units(batch)])

@@ -6,7 +6,9 @@ from __future__ import annotations
 import torch
 
 from rlhf_lightning.algorithms.base import RolloutModule
+from rlhf_lightning.algorithms.checks import validate_grpo
 from rlhf_lightning.algorithms.common import Metrics
+from rlhf_lightning.algorithms.distributed import gather_rows
 from rlhf_lightning.algorithms.objective import PolicyTerm
 from rlhf_lightning.algorithms.spec import AlgorithmSpec, register_algorithm
 from rlhf_lightning.config import GRPOConfig
@@ -14,7 +16,8 @@ from rlhf_lightning.envs.harness import RolloutResult
 from rlhf_lightning.envs.trajectory import TrajectoryBatch, collate
 from rlhf_lightning.losses import get_advantage_estimator
 from rlhf_lightning.losses.advantages import ADVANTAGE_ESTIMATORS, informative_groups, postprocess_advantages
-from rlhf_lightning.validation import validate_grpo
+
+GROUP_ID_STRIDE = 1 << 20  # rank r's group ids are offset by r * stride when gathered
 
 
 class GRPOModule(RolloutModule):
@@ -30,13 +33,19 @@ class GRPOModule(RolloutModule):
     def setup(self, stage: str) -> None:
         self.advantage_fn = get_advantage_estimator(self.hp.advantage)
         self.advantage_kwargs = ADVANTAGE_ESTIMATORS.meta(self.hp.advantage)["bind"](self.hp)
-        self.row_generator = torch.Generator().manual_seed(torch.initial_seed() % 2**31)
+        # Refill prompts differ per rank (each rank draws its own).
+        self.row_generator = torch.Generator().manual_seed(torch.initial_seed() % 2**31 + 7919 * self.rank)
 
     def compute_advantages(
         self, traj: TrajectoryBatch, rewards: torch.Tensor, returns: torch.Tensor
     ) -> torch.Tensor:
-        adv = self.advantage_fn(returns, traj.group_ids, **self.advantage_kwargs)
-        return postprocess_advantages(adv, whiten=self.hp.whiten_advantages, clip=self.hp.advantage_clip)
+        # Batch-level statistics (advantage_scale=batch, whitening, ReBN) are over every rank's
+        # rows: each rank computes the global advantages and keeps its own (groups never span ranks).
+        all_returns, offset = gather_rows(returns, self.world_size, self.rank)
+        groups, _ = gather_rows(traj.group_ids + self.rank * GROUP_ID_STRIDE, self.world_size, self.rank)
+        adv = self.advantage_fn(all_returns, groups, **self.advantage_kwargs)
+        adv = postprocess_advantages(adv, whiten=self.hp.whiten_advantages, clip=self.hp.advantage_clip)
+        return adv[offset : offset + len(returns)]
 
     def policy_term(self) -> PolicyTerm:
         return PolicyTerm.bind(self.hp.loss, self.hp, per_turn=self.hp.is_level == "turn")

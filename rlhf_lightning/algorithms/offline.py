@@ -70,12 +70,12 @@ class OfflineModule(RolloutEvaluation):
     def training_step(self, batch: TrajectoryBatch, batch_idx: int) -> None:
         t0 = time.perf_counter()
         norm = self.normaliser(batch)
-        micro = self.hp.micro_batch_size or self.units(batch)
+        micro = self.per_rank(self.hp.micro_batch_size, "micro_batch_size") or self.units(batch)
         acc = MetricAccumulator()
         total = torch.zeros((), device=self.device)
         for index in torch.arange(self.units(batch), device=self.device).split(micro):
             loss, m = self.unit_loss(batch, index, norm)
-            self.manual_backward(loss)
+            self.backward_(loss)
             total = total + loss.detach()
             acc.add(m, weight=float(len(index)))
         grad_metrics = self.optimizer_step_()

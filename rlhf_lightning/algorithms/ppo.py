@@ -9,15 +9,16 @@ import torch
 import torch.nn.functional as F
 
 from rlhf_lightning.algorithms.base import RolloutModule
+from rlhf_lightning.algorithms.checks import validate_ppo
 from rlhf_lightning.algorithms.common import Metrics, adamw_with_schedule, grad_norm
 from rlhf_lightning.algorithms.critic import explained_variance, reduce_to_steps, step_index, step_rewards
+from rlhf_lightning.algorithms.distributed import gather_rows
 from rlhf_lightning.algorithms.objective import CriticTerm, PolicyTerm
 from rlhf_lightning.algorithms.spec import AlgorithmSpec, register_algorithm
 from rlhf_lightning.config import PPOConfig
 from rlhf_lightning.envs.trajectory import TrajectoryBatch
 from rlhf_lightning.losses import get_advantage_estimator
 from rlhf_lightning.losses.advantages import postprocess_advantages
-from rlhf_lightning.validation import validate_ppo
 
 
 class PPOModule(RolloutModule):
@@ -66,8 +67,10 @@ class PPOModule(RolloutModule):
             "critic/explained_variance": explained_variance(old_step_v, step_returns, step_mask),
             "critic/value_mean": old_step_v[step_mask].mean(),
         }
-        if hp.whiten_advantages:
-            adv = adv.masked_scatter(step_mask, postprocess_advantages(adv[step_mask], whiten=True))
+        if hp.whiten_advantages:  # over every rank's steps
+            steps_all, offset = gather_rows(adv[step_mask], self.world_size, self.rank)
+            white = postprocess_advantages(steps_all, whiten=True)
+            adv = adv.masked_scatter(step_mask, white[offset : offset + int(step_mask.sum())])
         # Each action token takes its step's advantage.
         return adv.gather(1, steps_idx.clamp(min=0)) * traj.action_mask
 
@@ -81,7 +84,7 @@ class PPOModule(RolloutModule):
         """
         values = torch.zeros(traj.action_mask.shape, device=self.device)
         boot = torch.zeros(len(traj), device=self.device)
-        micro = self.hp.micro_batch_size or len(traj)
+        micro = max(self.micro_batch_size(len(traj)), 1)
         for index in torch.arange(len(traj), device=self.device).split(micro):
             sub = traj.select(index)  # (b, w)
             w = sub.input_ids.shape[1]

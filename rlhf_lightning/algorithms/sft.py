@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from rlhf_lightning.algorithms.checks import validate_offline
 from rlhf_lightning.algorithms.common import Metrics
 from rlhf_lightning.algorithms.offline import OfflineModule
 from rlhf_lightning.algorithms.spec import AlgorithmSpec, register_algorithm
 from rlhf_lightning.config import SFTConfig
 from rlhf_lightning.envs.trajectory import TrajectoryBatch
-from rlhf_lightning.validation import validate_offline
 
 
 class SFTModule(OfflineModule):
@@ -18,7 +18,7 @@ class SFTModule(OfflineModule):
     update."""
 
     def normaliser(self, batch: TrajectoryBatch) -> torch.Tensor:
-        return batch.action_mask.sum().float().clamp(min=1.0)
+        return self.global_count(batch.action_mask.sum().float()).clamp(min=1.0)
 
     def unit_loss(
         self, batch: TrajectoryBatch, index: torch.Tensor, norm: torch.Tensor

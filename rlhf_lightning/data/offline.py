@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from rlhf_lightning.data.files import read_rows, require_columns, split_rows
-from rlhf_lightning.data.prompts import RowDataset
+from rlhf_lightning.data.prompts import RowDataset, per_rank_batch
 from rlhf_lightning.envs.harness import ChatFormatter
 from rlhf_lightning.envs.trajectory import Trajectory, TrajectoryBatch, collate
 
@@ -226,7 +226,7 @@ class OfflineDataModule(L.LightningDataModule):
         gen = torch.Generator().manual_seed(self.seed)
         return DataLoader(
             self.train_set,
-            batch_size=self.batch_size,
+            batch_size=per_rank_batch(self, self.batch_size, "algo.batch_size"),
             shuffle=True,
             drop_last=True,
             generator=gen,

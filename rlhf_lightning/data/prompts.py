@@ -23,6 +23,20 @@ class RowDataset(Dataset):
         return index
 
 
+def per_rank_batch(dm: L.LightningDataModule, size: int, field: str) -> int:
+    """A global batch size split across the trainer's processes (Lightning's distributed sampler
+    gives each rank its own rows)."""
+    trainer = dm.trainer
+    world = trainer.world_size if trainer is not None else 1
+    if size % world:
+        from rlhf_lightning.validation import ConfigError
+
+        raise ConfigError(
+            field, size, f"a multiple of the number of processes ({world}): batch sizes are global"
+        )
+    return size // world
+
+
 def _collate(rows: list[int]) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.long)
 
@@ -45,7 +59,7 @@ class PromptDataModule(L.LightningDataModule):
         gen = torch.Generator().manual_seed(self.seed)
         return DataLoader(
             RowDataset(self.train_rows),
-            batch_size=self.prompts_per_step,
+            batch_size=per_rank_batch(self, self.prompts_per_step, "algo.prompts_per_step"),
             shuffle=True,
             drop_last=True,
             generator=gen,

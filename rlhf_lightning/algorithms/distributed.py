@@ -1,0 +1,95 @@
+"""What makes the update loop rank-safe under data parallelism (DDP), as small helpers.
+
+Every rank runs the same sequence of collectives whatever its data:
+    - gradients are averaged once per optimizer step (:func:`sync_gradients`), never inside a
+      backward pass (:func:`no_backward_sync`), so ranks may run different numbers of
+      micro-batches (skipped zero-advantage rows, dynamic sampling) without waiting on each other;
+    - the number of optimizer steps of a training step is agreed first (:func:`agree_max`);
+    - batch statistics (normalisers, advantage whitening, logged metrics) are global.
+With one process every helper is the identity and costs nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def is_distributed(world_size: int) -> bool:
+    return world_size > 1 and dist.is_available() and dist.is_initialized()
+
+
+@contextmanager
+def no_backward_sync(strategy: Any) -> Iterator[None]:
+    """A backward pass without DDP's own gradient all-reduce (see :func:`sync_gradients`)."""
+    block = getattr(strategy, "block_backward_sync", None)
+    with block() if block is not None else nullcontext():
+        yield
+
+
+def sync_gradients(params: Sequence[torch.nn.Parameter], world_size: int) -> None:
+    """Average the gradients of ``params`` over ranks in one flat all-reduce (a missing gradient
+    counts as zeros). Called once per optimizer step on every rank."""
+    if not is_distributed(world_size) or not params:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1).float() for g in grads])
+    dist.all_reduce(flat)
+    flat /= world_size
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[offset : offset + n].view_as(p).to(p.dtype).clone()
+        offset += n
+
+
+def agree_max(value: int, world_size: int, device: torch.device) -> int:
+    """The largest ``value`` over ranks (one all-reduce)."""
+    if not is_distributed(world_size):
+        return value
+    t = torch.tensor([value], device=device, dtype=torch.long)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def all_sum(x: torch.Tensor, world_size: int) -> torch.Tensor:
+    """``x`` summed over ranks (a new tensor)."""
+    if not is_distributed(world_size):
+        return x
+    out = x.detach().clone()
+    dist.all_reduce(out)
+    return out
+
+
+def gather_rows(x: torch.Tensor, world_size: int, rank: int) -> tuple[torch.Tensor, int]:
+    """Every rank's rows of ``x`` (any count per rank), concatenated in rank order, and where this
+    rank's rows start. Shape: (n, ...) -> (N, ...)"""
+    if not is_distributed(world_size):
+        return x, 0
+    n = torch.tensor([x.shape[0]], device=x.device, dtype=torch.long)
+    sizes = [torch.zeros_like(n) for _ in range(world_size)]
+    dist.all_gather(sizes, n)
+    counts = [int(s.item()) for s in sizes]
+    width = max(counts)
+    padded = torch.zeros((width, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    padded[: x.shape[0]] = x
+    parts = [torch.zeros_like(padded) for _ in range(world_size)]
+    dist.all_gather(parts, padded)
+    return torch.cat([p[:c] for p, c in zip(parts, counts)]), sum(counts[:rank])
+
+
+def reduce_metrics(metrics: dict[str, float], world_size: int) -> dict[str, float]:
+    """Metrics averaged over the ranks that logged them (``*_max`` keys: the max)."""
+    if not is_distributed(world_size):
+        return metrics
+    gathered: list[dict[str, float] | None] = [None] * world_size
+    dist.all_gather_object(gathered, metrics)
+    out: dict[str, float] = {}
+    for key in sorted({k for g in gathered if g for k in g}):
+        values = [g[key] for g in gathered if g and key in g]
+        out[key] = max(values) if key.endswith("_max") else sum(values) / len(values)
+    return out

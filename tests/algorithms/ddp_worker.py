@@ -1,0 +1,101 @@
+"""One training step on fixed data with 1 or N processes (run as a script: Lightning's DDP
+launcher starts the other ranks by running it again). Used by test_distributed.py.
+
+    python tests/algorithms/ddp_worker.py SPEC.json
+
+SPEC: {"overrides": [...], "devices": N, "out": path, "trajectories": path (online) | null,
+"steps": 1}. Online: rank r trains on its contiguous share of the saved trajectories' groups.
+Offline: rank r takes its share of the first ``algo.batch_size`` training rows. Rank 0 saves
+the trainable parameters, the averaged gradients of each optimizer step (before clipping)
+and the logged metrics to ``out``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+
+def main(spec_path: str) -> None:
+    import lightning as L
+    import torch
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.utils.data import DataLoader, Subset
+
+    from rlhf_lightning.envs.harness import RolloutResult
+    from rlhf_lightning.envs.trajectory import collate
+    from rlhf_lightning.run import build
+    from tests.conftest import compose_config
+
+    spec = json.loads(Path(spec_path).read_text())
+    world = spec["devices"]
+    cfg = compose_config(spec["overrides"], output_dir=Path(spec["out"]).parent / "run")
+    L.seed_everything(cfg.seed)
+    module, dm = build(cfg, Path(spec["out"]).parent)
+    if spec.get("trajectories"):
+        trajectories = torch.load(spec["trajectories"], weights_only=False)
+        groups = sorted({t.group_id for t in trajectories})
+
+        def collect(rows):  # this rank's contiguous share of the groups
+            r = module.trainer.global_rank
+            share = len(groups) // world
+            mine = [t for t in trajectories if t.group_id in groups[r * share : (r + 1) * share]]
+            return RolloutResult(collate(mine, module.harness.tokenizer.pad_token_id), mine, {}), {}
+
+        module.collect = collect
+    elif spec.get("record_rows"):  # which prompt rows each rank trains on (the data module's own split)
+        original_collect = module.collect
+
+        def recording(rows):
+            path = Path(f"{spec['record_rows']}.rank{module.trainer.global_rank}.json")
+            seen = json.loads(path.read_text()) if path.exists() else []
+            path.write_text(json.dumps([*seen, rows]))
+            return original_collect(rows)
+
+        module.collect = recording
+    else:
+        dm.setup("fit")
+        b = cfg.algo.batch_size
+
+        def fixed_rows():
+            r = module.trainer.global_rank
+            rows = Subset(dm.train_set, range(r * b // world, (r + 1) * b // world))
+            return DataLoader(rows, batch_size=b // world, collate_fn=dm.collator)
+
+        dm.train_dataloader = fixed_rows
+    grads: list[dict[str, torch.Tensor]] = []  # the averaged gradients of each optimizer step
+    original = module.clip_gradients_
+
+    def record(optimizer):
+        grads.append({n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None})
+        return original(optimizer)
+
+    module.clip_gradients_ = record
+    trainer = L.Trainer(
+        max_steps=spec.get("steps", 1),
+        accelerator="cpu",
+        devices=world,
+        strategy=DDPStrategy(timeout=timedelta(seconds=120)) if world > 1 else "auto",
+        use_distributed_sampler=bool(spec.get("record_rows")),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(module, datamodule=dm)
+    if trainer.is_global_zero:
+        params = {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        out = {"params": params, "grads": grads, "metrics": metrics, "world": trainer.world_size}
+        torch.save(out, spec["out"])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

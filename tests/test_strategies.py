@@ -1,0 +1,120 @@
+"""``strategy=...`` and runs with several processes: the CLI, multiruns, which rows each rank sees."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from lightning.pytorch.strategies import DDPStrategy
+
+from rlhf_lightning.strategies import build_strategy
+from rlhf_lightning.validation import ConfigError, validate
+from tests.conftest import FAST, ROOT, compose_config
+
+DDP = ["strategy=ddp", "trainer.accelerator=cpu", "trainer.devices=2"]
+SMALL = [
+    "trainer.enable_progress_bar=false",
+    "env.kwargs.eval_size=20",
+    "eval.batch_size=10",
+    "num_threads=1",
+    "checkpoint.every_n_steps=0",
+]
+
+
+def test_strategy_group_builds_lightning_strategies():
+    cfg = compose_config(["strategy=ddp", "strategy.timeout_s=60"])
+    strategy = build_strategy(cfg.strategy)
+    assert isinstance(strategy, DDPStrategy) and strategy._timeout.total_seconds() == 60
+    assert build_strategy(compose_config([]).strategy) == "auto"
+    with pytest.raises(ConfigError, match=r"strategy.name='fsdp'"):
+        validate(compose_config(["strategy.name=fsdp"]))
+    with pytest.raises(ConfigError, match=r"algo.prompts_per_step=5: a multiple of the number of processes"):
+        validate(compose_config([*DDP, "algo.prompts_per_step=5"]))
+
+
+def train(tmp_path: Path, *overrides: str, multirun: bool = False, timeout: int = 600):
+    cmd = [sys.executable, str(ROOT / "train.py"), *(["-m"] if multirun else []), *overrides, *SMALL]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout + proc.stderr
+
+
+def metric_rows(run_dir: Path) -> list[dict[str, str]]:
+    with (run_dir / "metrics.csv").open() as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.slow
+def test_ddp_cli_run_with_micro_batches_completes(tmp_path):
+    # This command hung for 15 minutes before the update loop was rank-safe.
+    out = tmp_path / "run"
+    log = train(tmp_path, *DDP, "algo.micro_batch_size=2", "trainer.max_steps=5", f"output_dir={out}")
+    rows = [r for r in metric_rows(out) if r.get("rollout/reward_mean")]
+    assert [r["step"] for r in rows] == ["1", "2", "3", "4", "5"]  # logged once, by rank 0
+    assert log.count("run finished") == 1
+    assert "Initializing distributed: GLOBAL_RANK: 1" in log
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "algo", [["algo=dapo"], ["algo=ppo", "algo.critic_warmup_steps=2"]], ids=["dapo", "ppo_warmup"]
+)
+def test_dynamic_sampling_and_critic_warmup_under_ddp(tmp_path, algo):
+    out = tmp_path / "run"
+    train(tmp_path, *DDP, *algo, "algo.prompts_per_step=8", "trainer.max_steps=5", f"output_dir={out}")
+    steps = [r["step"] for r in metric_rows(out) if r.get("rollout/reward_mean")]
+    assert steps == ["1", "2", "3", "4", "5"]
+
+
+@pytest.mark.slow
+def test_multirun_with_two_processes_runs_each_job_once(tmp_path):
+    log = train(
+        tmp_path,
+        *DDP,
+        "algo.lr=1e-3,2e-3",
+        "trainer.max_steps=1",
+        "eval.before_training=false",
+        "name=sweep",
+        multirun=True,
+    )
+    jobs = sorted(tmp_path.glob("outputs/sweep/multirun/*/*/metrics.csv"))
+    assert len(jobs) == 2, jobs
+    assert log.count("Initializing distributed: GLOBAL_RANK: 1") == 2  # one second rank per job
+    assert [p.name for p in (tmp_path / "outputs" / "sweep").iterdir()] == ["multirun"]  # nothing stray
+    hparams = [(j.parent / "hparams.yaml").read_text() for j in jobs]
+    assert any("lr: 0.001" in h for h in hparams) and any("lr: 0.002" in h for h in hparams)
+
+
+@pytest.mark.slow
+def test_ranks_train_on_different_prompts_of_the_global_batch(tmp_path):
+    spec = {
+        "overrides": [*FAST, "algo.prompts_per_step=8", "algo.group_size=2"],
+        "devices": 2,
+        "out": str(tmp_path / "out.pt"),
+        "record_rows": str(tmp_path / "rows"),
+        "steps": 2,
+    }
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    worker = ROOT / "tests" / "algorithms" / "ddp_worker.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(worker), str(tmp_path / "spec.json")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rank0 = json.loads((tmp_path / "rows.rank0.json").read_text())
+    rank1 = json.loads((tmp_path / "rows.rank1.json").read_text())
+    assert len(rank0) == len(rank1) == 2
+    for a, b in zip(rank0, rank1):
+        assert len(a) == len(b) == 4  # the global 8 prompts, split
+        assert not set(a) & set(b)
