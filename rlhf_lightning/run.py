@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 import warnings
 from collections.abc import Sequence
@@ -137,9 +136,7 @@ def build_engine(cfg: DictConfig, policy: Any, tokenizer: Any) -> Any:
         sleep_mode=r.sleep_mode,
         sleep_mode_level=r.sleep_mode_level,
         lora_staging_dir=r.lora_staging_dir,
-        seed=r.seed if r.seed is not None else cfg.seed,
-        rank=int(os.environ.get("RANK", 0)),
-        world_size=int(os.environ.get("WORLD_SIZE", 1)),
+        seed=r.seed if r.seed is not None else cfg.seed,  # + the rank, once the trainer knows it
         enable_prefix_caching=r.enable_prefix_caching,
     )
 

@@ -118,3 +118,43 @@ def test_ranks_train_on_different_prompts_of_the_global_batch(tmp_path):
     for a, b in zip(rank0, rank1):
         assert len(a) == len(b) == 4  # the global 8 prompts, split
         assert not set(a) & set(b)
+
+
+def test_slurm_launcher_preset_composes():
+    from hydra import compose, initialize_config_dir
+
+    from tests.conftest import CONF
+
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = compose(config_name="config", overrides=["hydra/launcher=slurm"], return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert launcher.tasks_per_node == launcher.gpus_per_node == 8  # one task per GPU
+
+
+@pytest.mark.slow
+def test_sweep_through_the_submitit_launcher(tmp_path):
+    train(
+        tmp_path,
+        "hydra/launcher=local",
+        "algo.lr=1e-3,2e-3",
+        "trainer.max_steps=1",
+        "eval.before_training=false",
+        "name=sweep",
+        multirun=True,
+    )
+    assert len(sorted(tmp_path.glob("outputs/sweep/multirun/*/*/metrics.csv"))) == 2
+
+
+@pytest.mark.slow
+def test_torchrun_launches_the_ranks(tmp_path):
+    out = tmp_path / "run"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [str(torchrun), "--nproc_per_node", "2", str(ROOT / "train.py"), *DDP]
+    cmd += ["trainer.max_steps=2", f"output_dir={out}", *SMALL]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    log = proc.stdout + proc.stderr
+    assert "GLOBAL_RANK: 1" in log and log.count("run finished") == 1
+    assert [r["step"] for r in metric_rows(out) if r.get("rollout/reward_mean")] == ["1", "2"]

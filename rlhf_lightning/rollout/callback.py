@@ -51,6 +51,12 @@ class RolloutEngineCallback(L.Callback):
         self.events.append("sleep")
 
     # -------------------------------------------------------------- hooks
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Tell the engine which rank it serves (processes exist now; the engine starts later)."""
+        bind = getattr(getattr(pl_module, "engine", None), "bind_rank", None)
+        if bind is not None:
+            bind(trainer.global_rank, trainer.world_size, trainer.local_rank)
+
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:

@@ -94,7 +94,8 @@ class VLLMEngine:
             sleep_mode,
             sleep_mode_level,
         )
-        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.seed, self.rank, self.world_size = seed + rank, rank, world_size
+        self.base_seed, self.local_rank = seed, 0
         self.enable_prefix_caching = enable_prefix_caching
         self._staging_root = lora_staging_dir
         self._temp_staging: str | None = None
@@ -108,11 +109,23 @@ class VLLMEngine:
     def on_gpu(self) -> bool:
         return torch.cuda.is_available()
 
+    def bind_rank(self, rank: int, world_size: int, local_rank: int) -> None:
+        """This process's place in the run, known once the trainer has set up its processes (the
+        engine starts later, at the first wake): its staging directory, seed and GPU follow it."""
+        if (rank, world_size, local_rank) == (self.rank, self.world_size, self.local_rank):
+            return  # validate, then fit: the same process
+        if self.llm is not None:
+            raise RuntimeError("bind_rank must run before the engine starts")
+        self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
+        self.seed = self.base_seed + rank  # each rank samples its own stream
+
     def start(self) -> None:
         if self.llm is not None:
             return
         vllm = import_vllm()
-        if not self.on_gpu:
+        if self.on_gpu:
+            torch.cuda.set_device(self.local_rank)  # this rank's GPU
+        else:
             os.environ.setdefault(
                 "VLLM_ENABLE_V1_MULTIPROCESSING", "0"
             )  # in-process: 2-3 s to start, not ~20

@@ -96,3 +96,19 @@ def test_metrics_are_namespaced_and_logged(fast_cfg, tmp_path):
         "perf/tokens_per_s",
     ):
         assert key in keys, key
+
+
+def test_greedy_evaluation_keeps_the_stop_and_penalty_settings(fast_cfg, tmp_path):
+    from rlhf_lightning.run import build
+
+    cfg = fast_cfg("rollout.stop=[xyz]", "rollout.repetition_penalty=1.2", "rollout.min_p=0.05")
+    module, _ = build(cfg, tmp_path)
+    seen = []
+    module.rollout = lambda rows, params, **kw: (
+        seen.append(params) or module.harness.rollout(module.engine, rows, params, **kw)
+    )
+    module.validation_step(torch.arange(2), 0)
+    greedy, sampled = seen
+    assert greedy.greedy and not sampled.greedy
+    for p in (greedy, sampled):
+        assert (p.stop, p.repetition_penalty, p.min_p) == (("xyz",), 1.2, 0.05)
