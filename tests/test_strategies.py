@@ -63,7 +63,13 @@ def test_ddp_cli_run_with_micro_batches_completes(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "algo", [["algo=dapo"], ["algo=ppo", "algo.critic_warmup_steps=2"]], ids=["dapo", "ppo_warmup"]
+    "algo",
+    [
+        ["algo=dapo"],
+        ["algo=ppo", "algo.critic_warmup_steps=2"],
+        ["algo=ppo", "algo.critic_warmup_steps=0", "algo.fuse_actor_critic_pass=false"],
+    ],
+    ids=["dapo", "ppo_warmup", "ppo_separate_critic_pass"],
 )
 def test_dynamic_sampling_and_critic_warmup_under_ddp(tmp_path, algo):
     out = tmp_path / "run"
