@@ -127,20 +127,25 @@ class RolloutModule(RolloutEvaluation):
     def on_fit_start(self) -> None:
         self.objective = self.build_objective()
 
+    def current_objective(self) -> Objective:
+        """The objective built at fit start (or now, outside a fit)."""
+        if self.objective is None:
+            self.objective = self.build_objective()
+        return self.objective
+
     def build_objective(self) -> Objective:
         """The micro-batch loss: Liger's fused kernel (GPU, ``algo.use_liger_loss``) or ours."""
         hp = self.hp
         tis_cap = hp.tis_cap if hp.old_logprobs_source == "trainer" else None
         self.use_liger = use_liger(hp, self.device)
         if self.use_liger:
-            world = self.trainer.world_size if self._trainer is not None else 1
             return LigerObjective(
                 hp,
                 temperature=self.sampling.temperature,
                 chunk_rows=hp.chunk_rows,
                 max_len=self.max_len_norm,
                 tis_cap=tis_cap,
-                world_size=world,
+                world_size=self.world_size,
             )
         kl_term = None
         if hp.beta > 0 and hp.kl_mode == "loss":
@@ -374,8 +379,6 @@ class RolloutModule(RolloutEvaluation):
         actor: bool = True,
     ) -> tuple[torch.Tensor, Metrics]:
         """The loss of one micro-batch, already normalised for the whole mini-batch."""
-        if self.objective is None:
-            self.objective = self.build_objective()
         sub = traj.select(index)
         width = sub.action_mask.shape[1]
         mb = MicroBatch(
@@ -386,7 +389,7 @@ class RolloutModule(RolloutEvaluation):
             old_logp=_rows(old_logp, index, width),
             ref_logp=_rows(ref_logp, index, width) if self.hp.kl_mode == "loss" else None,
         )
-        return self.objective(self.policy, mb, norm, self.backward_, actor)
+        return self.current_objective()(self.policy, mb, norm, self.backward_, actor)
 
     @property
     def max_len_norm(self) -> int:

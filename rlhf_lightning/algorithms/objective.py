@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import torch
 
 from rlhf_lightning.algorithms.common import Metrics
+from rlhf_lightning.algorithms.critic import reduce_to_steps
 from rlhf_lightning.envs.trajectory import TrajectoryBatch
 from rlhf_lightning.losses import aggregate, get_policy_loss, kl
 from rlhf_lightning.losses.corrections import truncated_importance_weights
@@ -136,8 +137,6 @@ class CriticTerm:
     def __call__(
         self, policy: Policy, mb: MicroBatch, norm: dict[str, Any], backward: Backward, actor: bool = True
     ) -> tuple[torch.Tensor, Metrics]:
-        from rlhf_lightning.algorithms.critic import reduce_to_steps
-
         values = policy.forward_heads(mb.sub, ("value",))["value"]  # (b, T)
         steps = self.step_returns.shape[1]
         idx = self.steps_idx[mb.index][:, : values.shape[1]]

@@ -13,7 +13,7 @@ from rlhf_lightning.algorithms.checks import validate_ppo
 from rlhf_lightning.algorithms.common import Metrics, adamw_with_schedule, grad_norm
 from rlhf_lightning.algorithms.critic import explained_variance, reduce_to_steps, step_index, step_rewards
 from rlhf_lightning.algorithms.distributed import gather_rows
-from rlhf_lightning.algorithms.objective import CriticTerm, PolicyTerm
+from rlhf_lightning.algorithms.objective import CriticTerm, PolicyObjective, PolicyTerm
 from rlhf_lightning.algorithms.spec import AlgorithmSpec, register_algorithm
 from rlhf_lightning.config import PPOConfig
 from rlhf_lightning.envs.trajectory import TrajectoryBatch
@@ -118,9 +118,7 @@ class PPOModule(RolloutModule):
 
     @property
     def critic(self) -> CriticTerm | None:
-        if self.objective is None:
-            self.objective = self.build_objective()
-        return getattr(self.objective, "critic", None)
+        return getattr(self.current_objective(), "critic", None)
 
     def entropy_coef(self) -> float:
         return self.hp.entropy_coef
@@ -131,8 +129,8 @@ class PPOModule(RolloutModule):
         if level == "auto":
             level = "turn" if self.levels == "turn" else "token"
         name = "ppo_clip" if level == "token" else "gspo"
-        objective = self.objective
-        if objective is not None and hasattr(objective, "term") and objective.term.name != name:
+        objective = self.current_objective()
+        if isinstance(objective, PolicyObjective) and objective.term.name != name:
             objective.term = PolicyTerm.bind(name, self.hp, per_turn=level == "turn")
 
     def actor_loss_enabled(self) -> bool:
