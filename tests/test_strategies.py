@@ -156,7 +156,7 @@ def test_sweep_through_the_submitit_launcher(tmp_path):
 def test_torchrun_launches_the_ranks(tmp_path):
     out = tmp_path / "run"
     torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [str(torchrun), "--nproc_per_node", "2", str(ROOT / "train.py"), *DDP]
+    cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2", str(ROOT / "train.py"), *DDP]
     cmd += ["trainer.max_steps=2", f"output_dir={out}", *SMALL]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
