@@ -21,6 +21,17 @@ log = logging.getLogger(__name__)
 STRATEGIES = ("auto", "ddp")
 
 
+def split_global(size: int, world_size: int, field: str) -> int:
+    """A global batch size (config field ``field``) split evenly across ``world_size`` ranks."""
+    if size % world_size:
+        from rlhf_lightning.validation import ConfigError
+
+        raise ConfigError(
+            field, size, f"a multiple of the number of processes ({world_size}): batch sizes are global"
+        )
+    return size // world_size
+
+
 def build_strategy(s: Any) -> Any:
     """The ``Trainer(strategy=...)`` argument for the ``strategy`` config node."""
     timeout = timedelta(seconds=s.timeout_s)

@@ -9,7 +9,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from rlhf_lightning.strategies import STRATEGIES
+from rlhf_lightning.strategies import STRATEGIES, split_global
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOGGERS = ("csv", "tensorboard", "wandb")
@@ -198,12 +198,8 @@ def validate_strategy(cfg: DictConfig) -> None:
     a = cfg.algo
     for field in ("prompts_per_step", "mini_batch_size", "micro_batch_size", "batch_size"):
         size = a.get(field)
-        check(
-            size is None or size % world == 0,
-            f"algo.{field}",
-            size,
-            f"a multiple of the number of processes (trainer.devices x num_nodes = {world}): batch sizes are global",
-        )
+        if size is not None:
+            split_global(size, world, f"algo.{field}")
 
 
 def validate_trainer(t: DictConfig) -> None:

@@ -4,7 +4,6 @@ reference refresh), and checkpoints that hold trainable weights only."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from typing import Any, cast
 
@@ -13,11 +12,16 @@ import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from rlhf_lightning.algorithms.distributed import all_sum, no_backward_sync, reduce_metrics, sync_gradients
+from rlhf_lightning.algorithms.distributed import (
+    all_sum,
+    no_backward_sync,
+    reduce_metrics,
+    sync_gradients,
+)
 from rlhf_lightning.algorithms.schedule import warmup_cosine
+from rlhf_lightning.strategies import split_global
 
 Metrics = dict[str, torch.Tensor]
-log = logging.getLogger(__name__)
 
 
 def grad_norm(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
@@ -84,17 +88,7 @@ class ModuleMixin(L.LightningModule):
 
     def per_rank(self, size: int | None, field: str) -> int | None:
         """A global batch size (``algo.<field>``) split across ranks."""
-        if size is None:
-            return None
-        if size % self.world_size:
-            from rlhf_lightning.validation import ConfigError
-
-            raise ConfigError(
-                f"algo.{field}",
-                size,
-                f"a multiple of the number of processes ({self.world_size}): batch sizes are global",
-            )
-        return size // self.world_size
+        return None if size is None else split_global(size, self.world_size, f"algo.{field}")
 
     def global_count(self, count: torch.Tensor) -> torch.Tensor:
         """A count summed over ranks, per rank: each rank's loss is normalised by it, and the

@@ -11,6 +11,8 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from rlhf_lightning.strategies import split_global
+
 
 class RowDataset(Dataset):
     def __init__(self, num_rows: int) -> None:
@@ -26,15 +28,7 @@ class RowDataset(Dataset):
 def per_rank_batch(dm: L.LightningDataModule, size: int, field: str) -> int:
     """A global batch size split across the trainer's processes (Lightning's distributed sampler
     gives each rank its own rows)."""
-    trainer = dm.trainer
-    world = trainer.world_size if trainer is not None else 1
-    if size % world:
-        from rlhf_lightning.validation import ConfigError
-
-        raise ConfigError(
-            field, size, f"a multiple of the number of processes ({world}): batch sizes are global"
-        )
-    return size // world
+    return split_global(size, dm.trainer.world_size if dm.trainer is not None else 1, field)
 
 
 def _collate(rows: list[int]) -> torch.Tensor:
