@@ -227,12 +227,12 @@ class EnvConfig:
 
 @dataclass
 class StrategyConfig:
-    """Lightning's distribution strategy (``strategy=auto|ddp``).
+    """Lightning's distribution strategy (``strategy=auto|ddp|fsdp``).
 
     Batch sizes in ``algo`` are global: they are split across ``trainer.devices x num_nodes``.
     """
 
-    name: str = "auto"  # auto | ddp
+    name: str = "auto"  # auto | ddp | fsdp
     process_group_backend: str | None = None  # None: nccl on GPUs, gloo on CPUs
     timeout_s: int = 1800  # collective timeout: a rank that never joins fails the run instead of hanging
 

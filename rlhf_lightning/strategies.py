@@ -2,6 +2,8 @@
 
     auto   one process (Lightning picks the device)
     ddp    data parallel, one process per device (gloo on CPUs, nccl on GPUs)
+    fsdp   FSDP2 (``fully_shard``) through Lightning's ModelParallelStrategy: the frozen base and
+           the LoRA adapters of every decoder layer sharded over all processes
 
 The algorithm config does not change with the strategy: batch sizes are global.
 """
@@ -18,7 +20,7 @@ from typing import Any, cast
 
 log = logging.getLogger(__name__)
 
-STRATEGIES = ("auto", "ddp")
+STRATEGIES = ("auto", "ddp", "fsdp")
 
 
 def split_global(size: int, world_size: int, field: str) -> int:
@@ -41,7 +43,45 @@ def build_strategy(s: Any) -> Any:
         from lightning.pytorch.strategies import DDPStrategy
 
         return DDPStrategy(process_group_backend=s.process_group_backend, timeout=timeout)
+    if s.name == "fsdp":
+        return fsdp2_strategy(s.process_group_backend, timeout)
     raise ValueError(f"strategy.name must be one of {', '.join(STRATEGIES)}, got {s.name!r}")
+
+
+def fsdp2_strategy(process_group_backend: str | None, timeout: timedelta) -> Any:
+    """Lightning's ModelParallelStrategy as pure FSDP2: one data-parallel dimension over every
+    process (its ``auto`` sizes would make the processes of a node a tensor-parallel group), and
+    checkpoints of the trainable weights only, gathered to one file by rank 0.
+
+    Why ModelParallelStrategy and not FSDPStrategy: the latter wraps modules in FSDP1, whose
+    flat parameters mix badly with LoRA (frozen and trainable weights in one unit) and with a
+    policy that reads its lm head outside any forward; FSDP2 shards each parameter on its own.
+    The sharding itself is the module's ``configure_model`` (:mod:`rlhf_lightning.models.sharding`).
+    """
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from rlhf_lightning.algorithms.distributed import is_dtensor
+
+    class FSDP2Strategy(ModelParallelStrategy):
+        def setup_environment(self) -> None:
+            self._data_parallel_size = self.num_nodes * self.num_processes
+            self._tensor_parallel_size = 1
+            super().setup_environment()
+
+        def lightning_module_state_dict(self) -> dict[str, Any]:
+            module = cast(Any, self.lightning_module)
+            keep = module.checkpoint_keys()
+            out = {}
+            for name, p in module.named_parameters():
+                if name in keep:  # every rank gathers, in the same order; rank 0 keeps
+                    full = p.full_tensor() if is_dtensor(p) else p
+                    if self.global_rank == 0:
+                        out[name] = full.detach().cpu()
+            return out
+
+    return FSDP2Strategy(
+        save_distributed_checkpoint=False, process_group_backend=process_group_backend, timeout=timeout
+    )
 
 
 def _in_multirun() -> bool:

@@ -189,8 +189,16 @@ def typed_algo(cfg: DictConfig) -> Any:
 
 def validate_strategy(cfg: DictConfig) -> None:
     s = cfg.strategy
-    check(s.name in STRATEGIES, "strategy.name", s.name, f"one of {', '.join(STRATEGIES)}")
+    check(
+        s.name in STRATEGIES,
+        "strategy.name",
+        s.name,
+        f"one of {', '.join(STRATEGIES)} (DeepSpeed ZeRO is not wired: it needs CUDA and has not been "
+        "tested here; strategy=fsdp shards parameters, gradients and optimizer state like ZeRO-3)",
+    )
     check(s.timeout_s > 0, "strategy.timeout_s", s.timeout_s, "> 0 seconds")
+    if s.name == "fsdp":
+        validate_fsdp(cfg)
     devices = cfg.trainer.devices
     if not isinstance(devices, int) or devices < 2:
         return  # "auto" or one device: checked again once the trainer knows the world size
@@ -200,6 +208,35 @@ def validate_strategy(cfg: DictConfig) -> None:
         size = a.get(field)
         if size is not None:
             split_global(size, world, f"algo.{field}")
+
+
+def validate_fsdp(cfg: DictConfig) -> None:
+    """What ``strategy=fsdp`` cannot do here yet, refused before anything starts."""
+    why = "strategy=fsdp"
+    check(
+        cfg.model.finetune == "lora",
+        "model.finetune",
+        cfg.model.finetune,
+        f"lora with {why}: it shards the frozen base under the adapters (full fine-tuning: strategy=ddp)",
+    )
+    check(
+        cfg.rollout.engine == "hf",
+        "rollout.engine",
+        cfg.rollout.engine,
+        f"hf with {why}: the colocated vLLM engine is not tested under FSDP yet (use strategy=ddp)",
+    )
+    check(
+        not cfg.algo.get("use_liger_loss", False),
+        "algo.use_liger_loss",
+        cfg.algo.get("use_liger_loss"),
+        f"false with {why}: the fused Liger loss is not tested under FSDP yet",
+    )
+    check(
+        str(cfg.trainer.precision) not in ("16-mixed", "16"),
+        "trainer.precision",
+        cfg.trainer.precision,
+        f"32-true, bf16-mixed or bf16-true with {why} (fp16 loss scaling of sharded gradients is not wired)",
+    )
 
 
 def validate_trainer(t: DictConfig) -> None:

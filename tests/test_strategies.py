@@ -10,13 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 from rlhf_lightning.strategies import build_strategy
 from rlhf_lightning.validation import ConfigError, validate
 from tests.conftest import FAST, ROOT, compose_config
 
 DDP = ["strategy=ddp", "trainer.accelerator=cpu", "trainer.devices=2"]
+FSDP = ["strategy=fsdp", "trainer.accelerator=cpu", "trainer.devices=2"]
 SMALL = [
     "trainer.enable_progress_bar=false",
     "env.kwargs.eval_size=20",
@@ -31,8 +32,23 @@ def test_strategy_group_builds_lightning_strategies():
     strategy = build_strategy(cfg.strategy)
     assert isinstance(strategy, DDPStrategy) and strategy._timeout.total_seconds() == 60
     assert build_strategy(compose_config([]).strategy) == "auto"
-    with pytest.raises(ConfigError, match=r"strategy.name='fsdp'"):
-        validate(compose_config(["strategy.name=fsdp"]))
+    fsdp = build_strategy(compose_config(["strategy=fsdp"]).strategy)
+    assert isinstance(fsdp, ModelParallelStrategy) and not fsdp._save_distributed_checkpoint
+    with pytest.raises(ConfigError, match=r"strategy.name='deepspeed'"):
+        validate(compose_config(["strategy.name=deepspeed"]))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "refused"),
+    [
+        (["model.finetune=full"], "model.finetune='full': lora with strategy=fsdp"),
+        (["rollout=vllm"], "rollout.engine='vllm': hf with strategy=fsdp"),
+        (["trainer.precision=16-mixed"], "trainer.precision='16-mixed'"),
+    ],
+)
+def test_fsdp_refuses_what_it_cannot_do_at_start_up(overrides, refused):
+    with pytest.raises(ConfigError, match=refused):
+        validate(compose_config(["strategy=fsdp", *overrides]))
     with pytest.raises(ConfigError, match=r"algo.prompts_per_step=5: a multiple of the number of processes"):
         validate(compose_config([*DDP, "algo.prompts_per_step=5"]))
 
@@ -71,11 +87,44 @@ def test_ddp_cli_run_with_micro_batches_completes(tmp_path):
     ],
     ids=["dapo", "ppo_warmup", "ppo_separate_critic_pass"],
 )
-def test_dynamic_sampling_and_critic_warmup_under_ddp(tmp_path, algo):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_dynamic_sampling_and_critic_warmup_under_ddp(tmp_path, algo, strategy):
     out = tmp_path / "run"
-    train(tmp_path, *DDP, *algo, "algo.prompts_per_step=8", "trainer.max_steps=5", f"output_dir={out}")
+    procs = DDP if strategy == "ddp" else FSDP
+    train(tmp_path, *procs, *algo, "algo.prompts_per_step=8", "trainer.max_steps=5", f"output_dir={out}")
     steps = [r["step"] for r in metric_rows(out) if r.get("rollout/reward_mean")]
     assert steps == ["1", "2", "3", "4", "5"]
+
+
+@pytest.mark.slow
+def test_fsdp_checkpoint_holds_full_trainable_weights_and_resumes(tmp_path):
+    import torch
+
+    out = tmp_path / "run"
+    ckpt = ["checkpoint.every_n_steps=2", "algo.micro_batch_size=2"]
+    train(tmp_path, *FSDP, *ckpt, "trainer.max_steps=2", f"output_dir={out}")
+    state = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
+    weights = state["state_dict"]
+    r = compose_config(FSDP).model.lora.r
+    lora_a = [v for k, v in weights.items() if "lora_A" in k]
+    assert lora_a and all(v.shape[0] == r for v in lora_a)  # whole (FSDP shards dim 0 in halves)
+    assert not any("base_layer" in k for k in weights)  # trainable weights only
+    adapter = out / "checkpoints" / "adapters" / "last" / "actor" / "adapter_model.safetensors"
+    from safetensors.torch import load_file
+
+    exported = load_file(str(adapter))
+    assert len(exported) == len([k for k in weights if ".actor." in k])
+    resumed = tmp_path / "resumed"
+    train(
+        tmp_path,
+        *FSDP,
+        *ckpt,
+        "trainer.max_steps=3",
+        f"ckpt_path={out / 'checkpoints' / 'last.ckpt'}",
+        f"output_dir={resumed}",
+    )
+    steps = [r["step"] for r in metric_rows(resumed) if r.get("rollout/reward_mean")]
+    assert steps == ["3"]
 
 
 @pytest.mark.slow

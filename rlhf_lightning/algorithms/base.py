@@ -39,6 +39,7 @@ from rlhf_lightning.losses.corrections import offpolicy_mask, overlong_penalty
 from rlhf_lightning.losses.kl import kl_penalized_returns, kl_shaped_advantages
 from rlhf_lightning.losses.masked import masked_mean
 from rlhf_lightning.models.policy import Policy
+from rlhf_lightning.models.sharding import gathered
 from rlhf_lightning.rollout.engine import RolloutEngine, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -165,17 +166,18 @@ class RolloutModule(RolloutEvaluation):
     # ---------------------------------------------------------------- the training step
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         t_start = time.perf_counter()
-        # 1. Rollout: group_size episodes per prompt row, sampled from the current policy.
-        result, metrics = self.collect(batch.tolist())
-        traj = result.batch.to(self.device)
-        self.rollouts_done()
-        t_rollout = time.perf_counter() - t_start
-        # 2. Log-probs the update needs, once, without gradients.
-        old_logp = self.old_logprobs(traj)  # None: on-policy, the update's own log-probs (detached)
-        ref_logp = self.batched_logprobs(traj, reference=True) if self.hp.beta > 0 else None
-        # 3. Score: rewards -> advantages; pick the tokens that count in the loss.
-        adv, loss_mask, score_metrics = self.score(traj, old_logp, ref_logp)
-        metrics.update(score_metrics)
+        with gathered(self.policy):  # FSDP: full weights, so ranks generate independently
+            # 1. Rollout: group_size episodes per prompt row, sampled from the current policy.
+            result, metrics = self.collect(batch.tolist())
+            traj = result.batch.to(self.device)
+            self.rollouts_done()
+            t_rollout = time.perf_counter() - t_start
+            # 2. Log-probs the update needs, once, without gradients.
+            old_logp = self.old_logprobs(traj)  # None: on-policy, the update's own log-probs (detached)
+            ref_logp = self.batched_logprobs(traj, reference=True) if self.hp.beta > 0 else None
+            # 3. Score: rewards -> advantages; pick the tokens that count in the loss.
+            adv, loss_mask, score_metrics = self.score(traj, old_logp, ref_logp)
+            metrics.update(score_metrics)
         # 4. Optimize: update_epochs x mini-batches, each accumulated over micro-batches.
         metrics.update(self.update(traj, adv, loss_mask, old_logp, ref_logp))
         # 5. Log.
@@ -335,9 +337,13 @@ class RolloutModule(RolloutEvaluation):
                 run = mb[seq_adv[mb] != 0] if skip_zero else mb
                 mb_loss = torch.zeros((), device=self.device)
                 mb_actor = torch.zeros((), device=self.device)
-                for index in run.split(micro) if len(run) else ():
-                    loss, m = self.micro_step(traj, adv, loss_mask, old_logp, ref_logp, index, norm, actor)
+                for index, weight in self.lockstep(list(run.split(micro)) if len(run) else []):
+                    loss, m = self.micro_step(
+                        traj, adv, loss_mask, old_logp, ref_logp, index, norm, actor, weight
+                    )
                     self.backward_(loss)
+                    if not weight:
+                        continue  # FSDP padding: same passes as the other ranks, no gradient
                     mb_loss = mb_loss + loss.detach()
                     mb_actor = mb_actor + m.pop("actor/loss_part", torch.zeros((), device=self.device))
                     acc.add(m, weight=loss_mask[index].sum())
@@ -377,8 +383,10 @@ class RolloutModule(RolloutEvaluation):
         index: torch.Tensor,
         norm: dict[str, Any],
         actor: bool = True,
+        weight: float = 1.0,
     ) -> tuple[torch.Tensor, Metrics]:
-        """The loss of one micro-batch, already normalised for the whole mini-batch."""
+        """The loss of one micro-batch, already normalised for the whole mini-batch, times
+        ``weight`` (0 for FSDP's padding micro-batches; a separate critic pass is scaled too)."""
         sub = traj.select(index)
         width = sub.action_mask.shape[1]
         mb = MicroBatch(
@@ -389,7 +397,12 @@ class RolloutModule(RolloutEvaluation):
             old_logp=_rows(old_logp, index, width),
             ref_logp=_rows(ref_logp, index, width) if self.hp.kl_mode == "loss" else None,
         )
-        return self.current_objective()(self.policy, mb, norm, self.backward_, actor)
+        if weight == 1.0:
+            return self.current_objective()(self.policy, mb, norm, self.backward_, actor)
+        loss, m = self.current_objective()(
+            self.policy, mb, norm, lambda part: self.backward_(part * weight), actor
+        )
+        return loss * weight, m
 
     @property
     def max_len_norm(self) -> int:

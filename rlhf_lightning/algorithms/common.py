@@ -13,21 +13,19 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from rlhf_lightning.algorithms.distributed import (
+    agree_max,
     all_sum,
+    clip_by_norm,
+    grad_norm,
     no_backward_sync,
     reduce_metrics,
     sync_gradients,
 )
 from rlhf_lightning.algorithms.schedule import warmup_cosine
+from rlhf_lightning.models.sharding import is_sharded
 from rlhf_lightning.strategies import split_global
 
 Metrics = dict[str, torch.Tensor]
-
-
-def grad_norm(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
-    """The global L2 norm of the parameters' gradients (0 when none has one)."""
-    norms = [torch.linalg.vector_norm(p.grad.detach().float()) for p in params if p.grad is not None]
-    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
 
 
 class MetricAccumulator:
@@ -86,6 +84,17 @@ class ModuleMixin(L.LightningModule):
     def rank(self) -> int:
         return self.trainer.global_rank if self._trainer is not None else 0
 
+    @property
+    def sharded(self) -> bool:
+        """The policy is sharded with FSDP2 (``strategy=fsdp``): every forward is a collective."""
+        return is_sharded(self.policy)
+
+    def configure_model(self) -> None:
+        """``strategy=fsdp``: shard the policy on Lightning's data-parallel mesh (once)."""
+        mesh = getattr(self, "_device_mesh", None)  # set by the ModelParallelStrategy only
+        if mesh is not None and not self.sharded:
+            self.policy.shard(mesh["data_parallel"])
+
     def per_rank(self, size: int | None, field: str) -> int | None:
         """A global batch size (``algo.<field>``) split across ranks."""
         return None if size is None else split_global(size, self.world_size, f"algo.{field}")
@@ -94,6 +103,20 @@ class ModuleMixin(L.LightningModule):
         """A count summed over ranks, per rank: each rank's loss is normalised by it, and the
         gradient average over ranks divides by the world size, so the update is the global one."""
         return all_sum(count, self.world_size) / self.world_size
+
+    def lockstep(self, chunks: list[torch.Tensor]) -> list[tuple[torch.Tensor, float]]:
+        """The micro-batches (row indices) to run, each with its loss weight.
+
+        Under FSDP a sharded forward is a collective, so every rank runs as many micro-batches
+        as the rank with the most: the others pad with zero-weight passes over their row 0.
+        Otherwise ranks run what they have (gradients are averaged once per step).
+        """
+        out = [(index, 1.0) for index in chunks]
+        if not self.sharded:
+            return out
+        count = agree_max(len(chunks), self.world_size, self.device)
+        pad = torch.zeros(1, dtype=torch.long, device=self.device)
+        return out + [(pad, 0.0)] * (count - len(chunks))
 
     def backward_(self, loss: torch.Tensor) -> None:
         """``manual_backward`` without DDP's per-backward all-reduce: gradients accumulate locally
@@ -124,8 +147,11 @@ class ModuleMixin(L.LightningModule):
 
     def clip_gradients_(self, optimizer: Any) -> Metrics:
         """Clip all trainable gradients by their global norm (``algo.grad_clip``) through Lightning."""
-        norm = grad_norm(self.policy.trainable_parameters())
-        if self.hp.grad_clip is not None:
+        params = self.policy.trainable_parameters()
+        norm = grad_norm(params, self.world_size)
+        if self.hp.grad_clip is not None and self.sharded:
+            clip_by_norm(params, self.hp.grad_clip, norm)  # Lightning's clipping wants one tensor type
+        elif self.hp.grad_clip is not None:
             self.clip_gradients(
                 optimizer, gradient_clip_val=self.hp.grad_clip, gradient_clip_algorithm="norm"
             )
@@ -148,9 +174,13 @@ class ModuleMixin(L.LightningModule):
             logger.log_metrics(values, step=self.global_step)
         self.trainer.callback_metrics.update({k: torch.tensor(v) for k, v in values.items()})
 
+    def checkpoint_keys(self) -> set[str]:
+        """The parameters a checkpoint holds: trainable ones and a reference adapter (which may move)."""
+        return {n for n, p in self.named_parameters() if p.requires_grad or ".reference." in n}
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Keep trainable weights (and a reference adapter, which may move) only: the frozen base
         is reloaded from its path on resume."""
-        keep = {n for n, p in self.named_parameters() if p.requires_grad or ".reference." in n}
+        keep = self.checkpoint_keys()
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
         checkpoint["trainable_only"] = True

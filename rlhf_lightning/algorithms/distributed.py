@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -31,9 +31,23 @@ def no_backward_sync(strategy: Any) -> Iterator[None]:
         yield
 
 
+def is_dtensor(x: Any) -> bool:
+    """A sharded (FSDP2) parameter or gradient."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(x, DTensor)
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded tensor (a view), or the tensor itself."""
+    return cast(Any, t).to_local() if is_dtensor(t) else t
+
+
 def sync_gradients(params: Sequence[torch.nn.Parameter], world_size: int) -> None:
     """Average the gradients of ``params`` over ranks in one flat all-reduce (a missing gradient
-    counts as zeros). Called once per optimizer step on every rank."""
+    counts as zeros). Called once per optimizer step on every rank. Sharded parameters are left
+    out: FSDP2 reduce-scattered (averaged) their gradients in the backward passes."""
+    params = [p for p in params if not is_dtensor(p)]
     if not is_distributed(world_size) or not params:
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
@@ -45,6 +59,30 @@ def sync_gradients(params: Sequence[torch.nn.Parameter], world_size: int) -> Non
         n = p.numel()
         p.grad = flat[offset : offset + n].view_as(p).to(p.dtype).clone()
         offset += n
+
+
+def grad_norm(params: Sequence[torch.nn.Parameter], world_size: int = 1) -> torch.Tensor:
+    """The global L2 norm of the parameters' gradients (0 when none has one).
+
+    A sharded gradient (FSDP2) counts its local shard, summed over ranks; a replicated one once.
+    """
+    device = next((p.device for p in params), torch.device("cpu"))
+    zero = torch.zeros((), device=device)
+    grads = [p.grad.detach() for p in params if p.grad is not None]
+    sharded = sum((local_part(g).float().square().sum() for g in grads if is_dtensor(g)), zero)
+    replicated = sum((g.float().square().sum() for g in grads if not is_dtensor(g)), zero)
+    if is_distributed(world_size) and any(is_dtensor(p) for p in params):
+        sharded = all_sum(sharded, world_size)
+    return (sharded + replicated).sqrt()
+
+
+def clip_by_norm(params: Sequence[torch.nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
+    """Scale the gradients so their global norm (``norm``, from :func:`grad_norm`) is at most
+    ``max_norm``; works on sharded gradients (each rank scales its shard by the same factor)."""
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for p in params:
+        if p.grad is not None:
+            local_part(p.grad.detach()).mul_(coef.to(p.grad.device))
 
 
 def agree_max(value: int, world_size: int, device: torch.device) -> int:

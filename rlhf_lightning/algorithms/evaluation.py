@@ -10,6 +10,7 @@ import torch
 
 from rlhf_lightning.algorithms.common import ModuleMixin
 from rlhf_lightning.envs.harness import RolloutResult
+from rlhf_lightning.models.sharding import gathered
 from rlhf_lightning.rollout.engine import SamplingParams
 
 
@@ -61,10 +62,13 @@ class RolloutEvaluation(ModuleMixin):
         nothing changed), so no rollout ever samples stale weights."""
         if self.harness is None or self.engine is None:
             raise RuntimeError("rollouts need a harness and an engine")
-        ensure_synced = getattr(self.engine, "ensure_synced", None)
-        if ensure_synced is not None:
-            ensure_synced(self.policy, self.global_step)
-        return self.harness.rollout(self.engine, rows, params, group_size=group_size, evaluation=evaluation)
+        with gathered(self.policy):  # FSDP: ranks generate independently (free when nested)
+            ensure_synced = getattr(self.engine, "ensure_synced", None)
+            if ensure_synced is not None:
+                ensure_synced(self.policy, self.global_step)
+            return self.harness.rollout(
+                self.engine, rows, params, group_size=group_size, evaluation=evaluation
+            )
 
     def on_validation_epoch_start(self) -> None:
         self._eval_outputs = {}

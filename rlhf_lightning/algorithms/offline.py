@@ -73,9 +73,13 @@ class OfflineModule(RolloutEvaluation):
         micro = self.per_rank(self.hp.micro_batch_size, "micro_batch_size") or self.units(batch)
         acc = MetricAccumulator()
         total = torch.zeros((), device=self.device)
-        for index in torch.arange(self.units(batch), device=self.device).split(micro):
+        for index, weight in self.lockstep(
+            list(torch.arange(self.units(batch), device=self.device).split(micro))
+        ):
             loss, m = self.unit_loss(batch, index, norm)
-            self.backward_(loss)
+            self.backward_(loss * weight)
+            if not weight:
+                continue  # FSDP padding (see lockstep)
             total = total + loss.detach()
             acc.add(m, weight=float(len(index)))
         grad_metrics = self.optimizer_step_()

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 
 from rlhf_lightning.algorithms.base import RolloutModule
 from rlhf_lightning.algorithms.checks import validate_ppo
-from rlhf_lightning.algorithms.common import Metrics, adamw_with_schedule, grad_norm
+from rlhf_lightning.algorithms.common import Metrics, adamw_with_schedule
 from rlhf_lightning.algorithms.critic import explained_variance, reduce_to_steps, step_index, step_rewards
-from rlhf_lightning.algorithms.distributed import gather_rows
+from rlhf_lightning.algorithms.distributed import clip_by_norm, gather_rows, grad_norm
 from rlhf_lightning.algorithms.objective import CriticTerm, PolicyObjective, PolicyTerm
 from rlhf_lightning.algorithms.spec import AlgorithmSpec, register_algorithm
 from rlhf_lightning.config import PPOConfig
@@ -149,10 +149,9 @@ class PPOModule(RolloutModule):
         max_norm = self.hp.grad_clip if self.hp.grad_clip is not None else float("inf")
         out = {}
         for part in ("actor", "critic"):
-            params = [p for p in self.policy.trainable_parameters(part) if p.grad is not None]
-            if params:
-                out[f"{part}/grad_norm"] = grad_norm(params)
-                torch.nn.utils.clip_grad_norm_(params, max_norm)
+            params = self.policy.trainable_parameters(part)
+            out[f"{part}/grad_norm"] = norm = grad_norm(params, self.world_size)
+            clip_by_norm(params, max_norm, norm)
         return out
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:

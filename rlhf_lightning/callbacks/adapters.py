@@ -23,12 +23,13 @@ class AdapterExport(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         step = trainer.global_step
-        if step == self._last_step or not trainer.is_global_zero:
-            return
         policy = getattr(pl_module, "policy", None)
-        if policy is None or not policy.is_peft:
+        if step == self._last_step or policy is None or not policy.is_peft:
+            return
+        self._last_step = step
+        state = policy.adapter_state()  # FSDP: the full adapters, gathered by every rank
+        if not trainer.is_global_zero:
             return
         for target in (self.dirpath / "adapters" / f"step_{step:06d}", self.dirpath / "adapters" / "last"):
-            out = policy.save_adapter(target)
-        self._last_step = step
+            out = policy.save_adapter(target, state)
         log.info("adapter exported to %s", out)

@@ -76,12 +76,32 @@ def copy_adapter(peft_model: PeftModel, src: str, dst: str) -> None:
         raise KeyError(f"adapter {src!r} has no parameters to copy onto {dst!r}")
 
 
+def adapter_state(peft_model: PeftModel, names: list[str]) -> dict[str, torch.Tensor]:
+    """The named adapters' weights as full tensors, keyed as in ``peft_model.state_dict()``.
+
+    Under FSDP2 each sharded weight is all-gathered: every rank must call this, in step.
+    """
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for key, value in peft_model.state_dict().items():
+        if any(f".{n}." in key for n in names):
+            out[key] = value.full_tensor() if isinstance(value, DTensor) else value
+    return out
+
+
 def save_adapters(
-    peft_model: PeftModel, directory: str | Path, names: list[str], value_head: torch.nn.Module | None
+    peft_model: PeftModel,
+    directory: str | Path,
+    names: list[str],
+    value_head: torch.nn.Module | None,
+    state: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Write each named adapter to ``directory/<name>`` (and the critic's value head beside it)."""
+    """Write each named adapter to ``directory/<name>`` (and the critic's value head beside it).
+
+    ``state``: the adapters' full weights from :func:`adapter_state` (needed when sharded)."""
     directory = Path(directory)
-    peft_model.save_pretrained(str(directory), selected_adapters=names)
+    peft_model.save_pretrained(str(directory), selected_adapters=names, state_dict=state)
     if value_head is not None and CRITIC in names:
         save_file(
             {k: v.detach().cpu().contiguous() for k, v in value_head.state_dict().items()},

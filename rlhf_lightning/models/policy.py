@@ -13,7 +13,8 @@ import torch
 from peft import PeftModel
 from torch import nn
 
-from rlhf_lightning.models.adapters import copy_adapter, save_adapters
+from rlhf_lightning.models.adapters import adapter_state, copy_adapter, save_adapters
+from rlhf_lightning.models.sharding import is_sharded, shard_causal_lm
 from rlhf_lightning.ops.logprobs import chunked_logprobs
 
 if TYPE_CHECKING:
@@ -132,6 +133,17 @@ class Policy(nn.Module):
     def causal_lm(self) -> Any:
         """The transformers CausalLM (LoRA layers injected in place when PEFT-wrapped)."""
         return self.model.get_base_model() if isinstance(self.model, PeftModel) else self.model
+
+    def shard(self, mesh: Any) -> None:
+        """FSDP2 on ``mesh``: the layout is in :mod:`rlhf_lightning.models.sharding`.
+
+        Prompt sharing is turned off: it runs the body once or twice depending on the rows, and
+        every sharded forward must be matched by the other ranks.
+        """
+        self.share_prompt = False
+        for lm in (self.causal_lm, self.reference):
+            if lm is not None:
+                shard_causal_lm(lm, mesh)
 
     def generation_model(self) -> nn.Module:
         return self.model
@@ -343,12 +355,28 @@ class Policy(nn.Module):
             )
         return out
 
-    def save_adapter(self, directory: str | Path) -> Path | None:
+    @property
+    def adapter_names(self) -> list[str]:
+        return [n for n in (self.adapter_name, self.reference_adapter, self.critic_adapter) if n is not None]
+
+    def adapter_state(self) -> dict[str, torch.Tensor] | None:
+        """Every adapter's full weights (FSDP: a gather every rank joins); None when not sharded
+        (the PEFT save reads them itself)."""
+        if not isinstance(self.model, PeftModel) or self.adapter_name is None or not is_sharded(self):
+            return None
+        return adapter_state(self.model, self.adapter_names)
+
+    def save_adapter(
+        self, directory: str | Path, state: dict[str, torch.Tensor] | None = None
+    ) -> Path | None:
         """Write every LoRA adapter as a PEFT directory (``directory/actor``, ``reference``, ``critic``,
-        the critic with its value head); returns the actor's. None for full fine-tuning."""
+        the critic with its value head); returns the actor's. None for full fine-tuning.
+
+        Sharded (FSDP), every rank calls this (or passes ``state`` from :meth:`adapter_state`)."""
         if not isinstance(self.model, PeftModel) or self.adapter_name is None:
             return None
-        names = [n for n in (self.adapter_name, self.reference_adapter, self.critic_adapter) if n is not None]
-        save_adapters(self.model, directory, names, self.value_head)
+        if state is None:
+            state = self.adapter_state()
+        save_adapters(self.model, directory, self.adapter_names, self.value_head, state)
         out = Path(directory) / self.adapter_name
         return out if out.is_dir() else Path(directory)

@@ -17,6 +17,8 @@ from typing import Any
 import lightning as L
 import torch
 
+from rlhf_lightning.models.sharding import gathered
+
 log = logging.getLogger(__name__)
 
 
@@ -41,7 +43,8 @@ class RolloutEngineCallback(L.Callback):
             torch.cuda.empty_cache()
         engine.wake()
         if hasattr(engine, "ensure_synced"):
-            engine.ensure_synced(pl_module.policy, pl_module.global_step)
+            with gathered(pl_module.policy):  # FSDP: the full adapter, every rank together
+                engine.ensure_synced(pl_module.policy, pl_module.global_step)
         self.events.append("wake")
 
     def release(self, pl_module: Any) -> None:

@@ -4,7 +4,7 @@ launcher starts the other ranks by running it again). Used by test_distributed.p
     python tests/algorithms/ddp_worker.py SPEC.json
 
 SPEC: {"overrides": [...], "devices": N, "out": path, "trajectories": path (online) | null,
-"steps": 1}. Online: rank r trains on its contiguous share of the saved trajectories' groups.
+"steps": 1, "strategy": "ddp" | "fsdp"}. Online: rank r trains on its contiguous share of the saved trajectories' groups.
 Offline: rank r takes its share of the first ``algo.batch_size`` training rows. Rank 0 saves
 the trainable parameters, the averaged gradients of each optimizer step (before clipping)
 and the logged metrics to ``out``.
@@ -27,9 +27,11 @@ def main(spec_path: str) -> None:
     from lightning.pytorch.strategies import DDPStrategy
     from torch.utils.data import DataLoader, Subset
 
+    from rlhf_lightning.algorithms.distributed import is_dtensor
     from rlhf_lightning.envs.harness import RolloutResult
     from rlhf_lightning.envs.trajectory import collate
     from rlhf_lightning.run import build
+    from rlhf_lightning.strategies import fsdp2_strategy
     from tests.conftest import compose_config
 
     spec = json.loads(Path(spec_path).read_text())
@@ -68,19 +70,27 @@ def main(spec_path: str) -> None:
             return DataLoader(rows, batch_size=b // world, collate_fn=dm.collator)
 
         dm.train_dataloader = fixed_rows
+
+    def full(t: torch.Tensor) -> torch.Tensor:  # FSDP: every rank gathers, in the same order
+        return (t.full_tensor() if is_dtensor(t) else t).detach().clone()
+
     grads: list[dict[str, torch.Tensor]] = []  # the averaged gradients of each optimizer step
     original = module.clip_gradients_
 
     def record(optimizer):
-        grads.append({n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None})
+        grads.append({n: full(p.grad) for n, p in module.named_parameters() if p.grad is not None})
         return original(optimizer)
 
     module.clip_gradients_ = record
+    timeout = timedelta(seconds=120)
+    strategy = DDPStrategy(timeout=timeout) if world > 1 else "auto"
+    if spec.get("strategy") == "fsdp":
+        strategy = fsdp2_strategy(None, timeout)
     trainer = L.Trainer(
         max_steps=spec.get("steps", 1),
         accelerator="cpu",
         devices=world,
-        strategy=DDPStrategy(timeout=timedelta(seconds=120)) if world > 1 else "auto",
+        strategy=strategy,
         use_distributed_sampler=bool(spec.get("record_rows")),
         logger=False,
         enable_checkpointing=False,
@@ -90,10 +100,16 @@ def main(spec_path: str) -> None:
         num_sanity_val_steps=0,
     )
     trainer.fit(module, datamodule=dm)
+    params = {n: full(p) for n, p in module.named_parameters() if p.requires_grad}
     if trainer.is_global_zero:
-        params = {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-        out = {"params": params, "grads": grads, "metrics": metrics, "world": trainer.world_size}
+        out = {
+            "params": params,
+            "grads": grads,
+            "metrics": metrics,
+            "world": trainer.world_size,
+            "sharded": module.sharded,
+        }
         torch.save(out, spec["out"])
 
 

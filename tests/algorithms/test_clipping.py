@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import lightning as L
+import pytest
 import torch
 
 from rlhf_lightning.run import build
@@ -47,3 +48,23 @@ def test_clipping_sees_unscaled_gradients_under_fp16_mixed_precision(tmp_path):
     mixed = grad_norm_of_first_step(tmp_path, "16-mixed")
     # The same gradient up to fp16 rounding, not 2**16 times larger.
     assert abs(mixed - full) / full < 0.05, (mixed, full)
+
+
+def test_grad_norm_and_clip_by_norm_match_torch():
+    from rlhf_lightning.algorithms.distributed import clip_by_norm, grad_norm
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(3)]
+    for p in params[:2]:
+        p.grad = torch.randn_like(p) * 3
+    ref = [p.grad.clone() if p.grad is not None else None for p in params]
+    expected = torch.sqrt(sum((g.double() ** 2).sum() for g in ref if g is not None))
+    norm = grad_norm(params)
+    assert float(norm) == pytest.approx(float(expected), rel=1e-6)
+    clip_by_norm(params, 1.0, norm)
+    for p, g in zip(params[:2], ref[:2]):
+        torch.testing.assert_close(p.grad, g * (1.0 / (expected.float() + 1e-6)), rtol=1e-6, atol=1e-7)
+    assert params[2].grad is None
+    assert float(grad_norm(params)) == pytest.approx(1.0, rel=1e-5)
+    clip_by_norm(params, 10.0, grad_norm(params))  # below the bound: unchanged
+    assert float(grad_norm(params)) == pytest.approx(1.0, rel=1e-5)

@@ -1,4 +1,5 @@
-"""Two CPU processes (gloo) train exactly like one process on the same global batch.
+"""Two CPU processes (gloo) train exactly like one process on the same global batch, under
+DDP and under FSDP2 (``strategy=fsdp``: sharded layers, lockstep micro-batches).
 
 Each case runs ``ddp_worker.py`` once with 1 process and once with 2, on the same data, and
 compares every trainable parameter after the update. A hang fails by timeout, not by hanging CI.
@@ -23,10 +24,18 @@ WORKER = ROOT / "tests" / "algorithms" / "ddp_worker.py"
 BASE = [o for o in FAST if not o.startswith("algo.")]
 
 
-def run_worker(tmp_path: Path, name: str, overrides: list[str], devices: int, trajectories=None) -> dict:
-    out = tmp_path / f"{name}_{devices}.pt"
-    spec = {"overrides": overrides, "devices": devices, "out": str(out), "trajectories": trajectories}
-    spec_path = tmp_path / f"{name}_{devices}.json"
+def run_worker(
+    tmp_path: Path, name: str, overrides: list[str], devices: int, trajectories=None, strategy: str = "ddp"
+) -> dict:
+    out = tmp_path / f"{name}_{devices}_{strategy}.pt"
+    spec = {
+        "overrides": overrides,
+        "devices": devices,
+        "out": str(out),
+        "trajectories": trajectories,
+        "strategy": strategy,
+    }
+    spec_path = tmp_path / f"{name}_{devices}_{strategy}.json"
     spec_path.write_text(json.dumps(spec))
     proc = subprocess.run(
         [sys.executable, str(WORKER), str(spec_path)],
@@ -80,8 +89,17 @@ def trajectories(tmp_path_factory) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
-def test_two_ranks_update_like_one_rank(tmp_path, trajectories, mode):
+@pytest.mark.parametrize(
+    ("mode", "strategy"),
+    [
+        ("token_mean", "ddp"),
+        ("seq_mean_token_mean", "ddp"),
+        ("seq_mean_token_sum_norm", "ddp"),
+        ("token_mean", "fsdp"),
+        ("seq_mean_token_sum_norm", "fsdp"),
+    ],
+)
+def test_two_ranks_update_like_one_rank(tmp_path, trajectories, mode, strategy):
     overrides = [
         *BASE,
         "algo.prompts_per_step=8",
@@ -93,8 +111,9 @@ def test_two_ranks_update_like_one_rank(tmp_path, trajectories, mode):
         "algo.lr=1e-5",
     ]
     one = run_worker(tmp_path, mode, overrides, 1, trajectories)
-    two = run_worker(tmp_path, mode, overrides, 2, trajectories)
+    two = run_worker(tmp_path, mode, overrides, 2, trajectories, strategy)
     assert two["world"] == 2 and one["world"] == 1
+    assert two["sharded"] == (strategy == "fsdp") and not one["sharded"]
     assert one["metrics"]["actor/grad_norm"] > 0
     assert_same_update(one, two)
     # rank 1 skipped all its rows (zero advantages): the logged share is the global one
@@ -102,6 +121,8 @@ def test_two_ranks_update_like_one_rank(tmp_path, trajectories, mode):
         one["metrics"]["actor/skipped_rows_frac"]
     )
     assert two["metrics"]["rollout/reward_mean"] == pytest.approx(one["metrics"]["rollout/reward_mean"])
+    # the global gradient norm (FSDP: summed over the ranks' shards) that clipping uses
+    assert two["metrics"]["actor/grad_norm"] == pytest.approx(one["metrics"]["actor/grad_norm"], rel=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -112,8 +133,10 @@ def test_two_ranks_update_like_one_rank(tmp_path, trajectories, mode):
     ],
     ids=["sft", "dpo"],
 )
-def test_offline_two_ranks_update_like_one_rank(tmp_path, overrides):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_offline_two_ranks_update_like_one_rank(tmp_path, overrides, strategy):
     overrides = [*BASE, *overrides, "algo.lr=1e-5"]  # see the note on Adam above
     one = run_worker(tmp_path, overrides[len(BASE)][5:], overrides, 1)
-    two = run_worker(tmp_path, overrides[len(BASE)][5:], overrides, 2)
+    two = run_worker(tmp_path, overrides[len(BASE)][5:], overrides, 2, strategy=strategy)
+    assert two["sharded"] == (strategy == "fsdp")
     assert_same_update(one, two)
