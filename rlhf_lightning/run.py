@@ -151,6 +151,7 @@ def build(cfg: DictConfig, output_dir: Path) -> tuple[L.LightningModule, L.Light
         pad_token=m.pad_token,
         chat_template=m.chat_template,
         need_chat_template=e.apply_chat_template,
+        field="model.tokenizer_path" if m.tokenizer_path else "model.path",
     )
     factory = env_factory(e._target_, cast(dict[str, Any], OmegaConf.to_container(e.kwargs, resolve=True)))
     train_rows, eval_rows = split_sizes(factory, e.train_size, e.eval_size)

@@ -4,6 +4,7 @@ naming the field, the value and what is allowed."""
 from __future__ import annotations
 
 import dataclasses
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,8 @@ from rlhf_lightning.strategies import STRATEGIES, split_global
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOGGERS = ("csv", "tensorboard", "wandb")
+# What to pass for a required (``???``) field; any other one gets ``<value>``.
+REQUIRED_EXAMPLES = {"model.path": "/path/to/model", "env._target_": "my_pkg.envs.MyEnv"}
 
 
 class ConfigError(ValueError):
@@ -276,8 +279,67 @@ def validate_reference(a: DictConfig, cfg: DictConfig, spec: Any) -> None:
     )
 
 
+def check_required(cfg: DictConfig) -> None:
+    """Fields left at ``???`` (e.g. ``model.path`` of ``model=local``) are named, not a traceback."""
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        key = missing[0]
+        raise ConfigError(
+            key,
+            "???",
+            f"required and not set: pass {key}={REQUIRED_EXAMPLES.get(key, '<value>')} on the command line",
+        )
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why ``path`` is not a readable Lightning checkpoint, or None; reads the archive's index
+    and pickle bytes only, never unpickles them."""
+    if not zipfile.is_zipfile(path):
+        return "not a zip archive (torch.save's format): truncated (an interrupted save?) or not a checkpoint"
+    try:
+        with zipfile.ZipFile(path) as archive:
+            pickles = [n for n in archive.namelist() if n == "data.pkl" or n.endswith("/data.pkl")]
+            if not pickles:
+                return "a zip archive but not a torch.save file (no data.pkl)"
+            head = archive.read(pickles[0])
+    except (OSError, zipfile.BadZipFile, EOFError) as err:
+        return f"unreadable ({err}): truncated or corrupted"
+    if b"pytorch-lightning_version" not in head:
+        return "a torch file but not a Lightning checkpoint (no pytorch-lightning_version)"
+    return None
+
+
+def check_checkpoint(field: str, path: str) -> None:
+    """``path`` is a Lightning checkpoint file; else the error suggests an earlier one beside it."""
+    p = Path(path)  # as Lightning will open it: no ~ expansion
+    check(p.is_file(), field, path, "an existing Lightning checkpoint file")
+    problem = checkpoint_problem(p)
+    if problem is None:
+        return
+    earlier = sorted(
+        (c for c in p.parent.glob("*.ckpt") if c.is_file() and c.resolve() != p.resolve()),
+        key=lambda c: c.stat().st_mtime,
+        reverse=True,
+    )
+    good = next((c for c in earlier if checkpoint_problem(c) is None), None)
+    hint = (
+        f"resume from the newest readable one beside it: {field}={good}"
+        if good
+        else f"no readable .ckpt next to it in {p.parent}"
+    )
+    raise ConfigError(field, path, f"{problem}; {hint}")
+
+
+def check_env_target(target: str) -> None:
+    """``env._target_`` names a TextEnv class; checked without calling it."""
+    from rlhf_lightning.envs.factory import env_class
+
+    env_class(target)
+
+
 def validate(cfg: DictConfig) -> None:
     """Check the composed config; raises :class:`ConfigError` on the first invalid value."""
+    check_required(cfg)
     check_known_keys(cfg)
     spec = typed_algo(cfg)
     validate_model(cfg.model)
@@ -296,6 +358,7 @@ def validate(cfg: DictConfig) -> None:
             "sampler's (on-policy ratios != 1); LoRA dropout applies to SFT and DPO only",
         )
     e = cfg.env
+    check_env_target(e._target_)
     check(e.max_turns >= 1, "env.max_turns", e.max_turns, "at least 1")
     check(
         e.on_reward_error in ("raise", "zero"), "env.on_reward_error", e.on_reward_error, "one of raise, zero"
@@ -313,6 +376,4 @@ def validate(cfg: DictConfig) -> None:
     check(cfg.eval.batch_size > 0, "eval.batch_size", cfg.eval.batch_size, "> 0")
     check(cfg.checkpoint.every_n_steps >= 0, "checkpoint.every_n_steps", cfg.checkpoint.every_n_steps, ">= 0")
     if cfg.ckpt_path is not None:
-        check(
-            Path(cfg.ckpt_path).is_file(), "ckpt_path", cfg.ckpt_path, "an existing Lightning checkpoint file"
-        )
+        check_checkpoint("ckpt_path", cfg.ckpt_path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,8 @@ def test_every_yaml_composes_and_resolves(group, option, tiny_path):
     overrides = [f"{group}={option}"]
     if (group, option) == ("model", "local"):
         overrides.append(f"model.path={tiny_path}")
+    if (group, option) == ("env", "custom"):  # its one required value
+        overrides.append("env._target_=rlhf_lightning.envs.arithmetic.ArithmeticEnv")
     cfg = compose_config(overrides, output_dir=Path("/tmp/unused"))
     container = OmegaConf.to_container(cfg, resolve=True)
     assert container["algo"]["name"] and container["model"]["path"]
@@ -210,3 +213,60 @@ def test_tokenizer_without_pad_token_or_chat_template(tmp_path):
 def test_hub_id_is_not_treated_as_a_missing_directory():
     cfg = compose_config(["model=qwen0.5b"])
     validate(cfg)  # a Hub id passes validation; loading it needs the Hub or a local copy
+
+
+def test_model_dir_without_tokenizer_files_names_the_directory(tmp_path, tiny_path):
+    (tmp_path / "config.json").write_text((Path(tiny_path) / "config.json").read_text())
+    with pytest.raises(ConfigError, match=r"model\.path=.*no tokenizer files.*model\.tokenizer_path="):
+        load_tokenizer(str(tmp_path))
+    # a config alone makes transformers build a 1-token tokenizer (generate then hits an IndexError)
+    (tmp_path / "tokenizer_config.json").write_text('{"tokenizer_class": "Qwen2Tokenizer"}')
+    with pytest.raises(ConfigError, match=r"only 1 tokens for a model with 393 embeddings.*tokenizer_path="):
+        load_tokenizer(str(tmp_path))
+
+
+def test_ckpt_path_must_be_a_readable_lightning_checkpoint(tmp_path):
+    good = tmp_path / "step_000002.ckpt"
+    torch.save({"pytorch-lightning_version": "2.5.0", "state_dict": {"w": torch.ones(64)}}, good)
+    validate(compose_config([f"ckpt_path={good}"]))
+    truncated = tmp_path / "last.ckpt"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    resume_good = re.escape(f"ckpt_path={good}")
+    with pytest.raises(ConfigError, match=rf"last\.ckpt': not a zip archive.*truncated.*{resume_good}"):
+        validate(compose_config([f"ckpt_path={truncated}"]))
+    tensor_file = tmp_path / "weights.ckpt"
+    torch.save({"w": torch.ones(2)}, tensor_file)  # torch.load would advise weights_only=False
+    with pytest.raises(ConfigError, match=r"not a Lightning checkpoint"):
+        validate(compose_config([f"ckpt_path={tensor_file}"]))
+    good.unlink()
+    with pytest.raises(ConfigError, match=r"no readable \.ckpt next to it"):
+        validate(compose_config([f"ckpt_path={truncated}"]))
+
+
+def test_env_target_is_checked_to_be_an_env_class_before_it_is_called(monkeypatch):
+    import os
+
+    from rlhf_lightning.envs.factory import env_factory
+
+    calls = []
+    monkeypatch.setattr(os, "system", lambda *args: calls.append(args))
+    with pytest.raises(ConfigError, match=r"env\._target_='os\.system': the dotted path of a TextEnv class"):
+        validate(compose_config(["env=custom", "env._target_=os.system"]))
+    with pytest.raises(ConfigError, match=r"env\._target_='os\.system'"):
+        env_factory("os.system", {"command": "true"})
+    assert calls == []
+    with pytest.raises(ConfigError, match=r"OrderedDict lacks reset and step"):
+        env_factory("collections.OrderedDict", {})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model=local"], "model.path='???': required and not set: pass model.path=/path/to/model"),
+        (["env=custom"], "env._target_='???': required and not set: pass env._target_=my_pkg.envs.MyEnv"),
+    ],
+)
+def test_required_fields_left_unset_are_named(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        validate(compose_config(overrides))
+    assert str(err.value) == f"invalid config: {message} on the command line"

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
+
+from rlhf_lightning.validation import ConfigError
 
 
 def read_rows(path: str | Path, field: str = "data path") -> list[dict[str, Any]]:
@@ -20,10 +22,57 @@ def read_rows(path: str | Path, field: str = "data path") -> list[dict[str, Any]
         except ImportError as err:
             raise ImportError("reading .parquet needs pyarrow: pip install pyarrow") from err
         return pq.read_table(p).to_pylist()
-    text = p.read_text()
+    text = _read_text(p, field)
     if p.suffix == ".json" and text.lstrip().startswith("["):
+        rows = _parse_json(text, p, field, None)
+        for i, row in enumerate(rows):
+            _require_object(row, p, field, f"item {i} of the list")
+        return cast(list[dict[str, Any]], rows)
+    return _read_jsonl(text, p, field)
+
+
+def _read_text(path: Path, field: str) -> str:
+    try:
+        return path.read_text(encoding="utf-8")  # JSON is UTF-8
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            field, str(path), f"not UTF-8 text (byte {err.start}); save the file as UTF-8"
+        ) from None
+
+
+def _parse_json(text: str, path: Path, field: str, line: int | None) -> Any:
+    """``json.loads(text)``; an error names the file and the line (``line``: of a JSONL file)."""
+    try:
         return json.loads(text)
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    except json.JSONDecodeError as err:
+        raise ConfigError(
+            field,
+            str(path),
+            f"line {line or err.lineno} is not valid JSON ({err.msg}, column {err.colno}); "
+            "fix or delete that line",
+        ) from None
+
+
+def _require_object(row: Any, path: Path, field: str, where: str) -> None:
+    if not isinstance(row, dict):
+        raise ConfigError(
+            field, str(path), f'{where} is {json.dumps(row)[:60]}, not a JSON object {{"column": value}}'
+        )
+
+
+def _read_jsonl(text: str, path: Path, field: str) -> list[dict[str, Any]]:
+    """One object per line; blank lines are skipped, line numbers start at 1.
+
+    Lines are split on ``\\n`` only (a ``\\r`` before it is JSON whitespace): JSON strings may
+    hold U+2028 and other characters that ``str.splitlines`` would also split on.
+    """
+    rows = []
+    for number, line in enumerate(text.split("\n"), start=1):
+        if line.strip():
+            row = _parse_json(line, path, field, number)
+            _require_object(row, path, field, f"line {number}")
+            rows.append(row)
+    return rows
 
 
 def split_rows(

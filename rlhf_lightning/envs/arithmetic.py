@@ -27,6 +27,7 @@ TEMPLATES: tuple[tuple[str, str], ...] = (
 )
 _INT = re.compile(r"-?\d+")
 EVAL_BUCKETS = 10  # one problem triple in ten is held out for evaluation
+MAX_ANSWER_DIGITS = 100  # a longer number is no answer (and int() refuses > 4300 digits)
 
 
 @dataclass(frozen=True)
@@ -55,10 +56,19 @@ def make_problem(seed: int, row_index: int, evaluation: bool, min_operand: int, 
     return Problem(question, a + b if op == "+" else a - b)
 
 
+def parse_answer(digits: str) -> int | None:
+    """``digits`` (an optional ``-`` and ASCII or Unicode digits) as an int, or None when it has
+    more than :data:`MAX_ANSWER_DIGITS` digits: no task here has such an answer."""
+    body = digits.lstrip("-").lstrip("0") or "0"  # leading zeros count towards int()'s limit too
+    if len(body) > MAX_ANSWER_DIGITS:
+        return None
+    return -int(body) if digits.startswith("-") else int(body)
+
+
 def final_integer(text: str) -> int | None:
     """The last integer in ``text`` (the final answer), or None when there is none."""
     found = _INT.findall(text.replace(",", ""))
-    return int(found[-1]) if found else None
+    return parse_answer(found[-1]) if found else None
 
 
 class ArithmeticEnv:

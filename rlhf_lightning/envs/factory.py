@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -11,28 +12,49 @@ from hydra.utils import get_object
 from rlhf_lightning.envs.base import TextEnv, num_rows
 from rlhf_lightning.validation import ConfigError
 
+TEXT_ENV_METHODS = "reset(seed=None, *, row_index=None, evaluation=False) and step(action)"
 
-def env_factory(target: str, kwargs: dict[str, Any]) -> Callable[[], TextEnv]:
-    """A zero-argument callable making fresh envs; checks the first one against :class:`TextEnv`."""
+
+def env_class(target: str) -> type[TextEnv]:
+    """The class ``env._target_`` names, checked to be a :class:`TextEnv` class without calling
+    anything (a function such as ``os.system`` is refused, not run)."""
     try:
-        cls = get_object(target)
+        obj = get_object(target)
     except Exception as err:
         raise ConfigError("env._target_", target, f"an importable TextEnv class ({err})") from err
-    factory = functools.partial(cls, **kwargs)
+    if not isinstance(obj, type):
+        raise ConfigError(
+            "env._target_",
+            target,
+            f"the dotted path of a TextEnv class (one with {TEXT_ENV_METHODS}), not of a "
+            f"{type(obj).__name__}",
+        )
+    if not issubclass(obj, TextEnv):  # TextEnv is a runtime-checkable Protocol of methods only
+        missing = [m for m in ("reset", "step") if not callable(getattr(obj, m, None))]
+        raise ConfigError(
+            "env._target_",
+            target,
+            f"a TextEnv class: {obj.__name__} lacks {' and '.join(missing) or 'reset or step'}; "
+            f"it needs {TEXT_ENV_METHODS}",
+        )
+    return obj
+
+
+def env_factory(target: str, kwargs: dict[str, Any]) -> Callable[[], TextEnv]:
+    """A zero-argument callable making fresh envs of the class ``target`` with ``kwargs``."""
+    cls = env_class(target)
     try:
-        probe = factory()
+        inspect.signature(cls).bind(**kwargs)
     except TypeError as err:
         raise ConfigError(
             "env.kwargs",
             dict(kwargs),
             f"arguments accepted by {target} ({err}); start from env=custom (empty kwargs) for your own env class",
-        ) from err
-    if not isinstance(probe, TextEnv):
-        raise ConfigError(
-            "env._target_",
-            target,
-            "a class with reset(seed=None, *, row_index=None, evaluation=False) and step(action)",
-        )
+        ) from None
+    except ValueError:  # no signature to check (e.g. a class implemented in C)
+        pass
+    factory = functools.partial(cls, **kwargs)
+    factory()  # fail now, not at the first rollout, when the env cannot be built
     return factory
 
 

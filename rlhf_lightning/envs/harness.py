@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
@@ -97,6 +98,20 @@ class RolloutResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+def reward_value(reward: Any) -> float | None:
+    """``reward`` as a float when it is a finite real number (a Python, NumPy or 0-d tensor
+    number; not a bool), else None."""
+    if getattr(reward, "ndim", None) == 0 and callable(getattr(reward, "item", None)):
+        reward = reward.item()  # NumPy scalar, 0-d array or 0-d tensor -> Python number
+    if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
+        return None
+    try:
+        value = float(reward)
+    except OverflowError:  # an int beyond float range
+        return None
+    return value if math.isfinite(value) else None
+
+
 def _check_step_output(env: TextEnv, out: Any) -> tuple[Observation, float, bool, bool, dict]:
     name = f"{type(env).__name__}.step"
     if not isinstance(out, tuple) or len(out) != 5:
@@ -106,14 +121,18 @@ def _check_step_output(env: TextEnv, out: Any) -> tuple[Observation, float, bool
         raise TypeError(
             f"{name} returned observation of type {type(obs).__name__}; expected str or list of messages"
         )
-    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(float(reward)):
-        raise TypeError(f"{name} returned reward={reward!r}; expected a finite float")
+    value = reward_value(reward)
+    if value is None:
+        raise TypeError(
+            f"{name} returned reward={reward!r}; expected a finite real number "
+            "(float, int, NumPy scalar or 0-d tensor; not a bool)"
+        )
     for fname, flag in (("terminated", terminated), ("truncated", truncated)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} returned {fname}={flag!r}; expected a bool")
     if not isinstance(info, dict):
         raise TypeError(f"{name} returned info of type {type(info).__name__}; expected a dict")
-    return obs, float(reward), terminated, truncated, info
+    return obs, value, terminated, truncated, info
 
 
 class RolloutHarness:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import json
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,6 +27,18 @@ from rlhf_lightning.validation import ConfigError, is_hub_id
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Any one of these makes a directory a tokenizer directory (fast, SentencePiece, BPE, WordPiece).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
+MIN_VOCAB = 16  # fewer tokens: transformers built a placeholder, not the model's tokenizer
 
 
 def _hub_hint(path: str, err: Exception) -> RuntimeError:
@@ -32,6 +46,53 @@ def _hub_hint(path: str, err: Exception) -> RuntimeError:
         f"could not load {path!r} from the Hugging Face Hub ({type(err).__name__}: {err}). "
         "Without Hub access, download it elsewhere and pass a local directory: "
         "model=local model.path=/path/to/model"
+    )
+
+
+def _tokenizer_hint(field: str) -> str:
+    tail = "" if field == "model.tokenizer_path" else ", or pass model.tokenizer_path=/path/to/tokenizer"
+    return f"save the model's tokenizer there (tokenizer.save_pretrained(dir)){tail}"
+
+
+def check_tokenizer_files(path: str, field: str) -> None:
+    """A local directory must hold tokenizer files: without them transformers quietly builds a
+    one-token tokenizer, and generation fails much later with an IndexError."""
+    p = Path(path).expanduser()
+    if p.is_dir() and not any((p / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(
+            field,
+            path,
+            f"the directory has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); "
+            + _tokenizer_hint(field),
+        )
+
+
+def _config_vocab_size(path: str) -> int | None:
+    """``vocab_size`` from a local model directory's ``config.json`` (or its ``text_config``)."""
+    config = Path(path).expanduser() / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # loading the model reports a broken config.json
+    if not isinstance(data, dict):
+        return None
+    size = data.get("vocab_size") or (data.get("text_config") or {}).get("vocab_size")
+    return size if isinstance(size, int) else None
+
+
+def check_vocab(tok: PreTrainedTokenizerBase, path: str, field: str) -> None:
+    """Refuse a degenerate tokenizer: a handful of tokens, or under half the model's vocabulary."""
+    n, model_vocab = len(tok), _config_vocab_size(path)
+    if n >= MIN_VOCAB and (model_vocab is None or 2 * n >= model_vocab):
+        return
+    of_model = f" for a model with {model_vocab} embeddings" if model_vocab else ""
+    raise ConfigError(
+        field,
+        path,
+        f"the tokenizer loaded from it has only {n} tokens{of_model}: its tokenizer files are "
+        f"missing or incomplete; {_tokenizer_hint(field)}",
     )
 
 
@@ -43,14 +104,18 @@ def load_tokenizer(
     pad_token: str | None = None,
     chat_template: str | None = None,
     need_chat_template: bool = True,
+    field: str = "model.path",
 ) -> PreTrainedTokenizerBase:
-    """Load a tokenizer; fail with a clear message when it lacks a pad token or chat template."""
+    """Load a tokenizer; fail with a clear message when it is missing or degenerate, or lacks a
+    pad token or chat template. ``field``: the config field that gave ``path``, for messages."""
+    check_tokenizer_files(path, field)
     try:
         tok = AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
     except OSError as err:
         if is_hub_id(path):
             raise _hub_hint(path, err) from err
         raise
+    check_vocab(tok, path, field)
     if pad_token is not None:
         tok.pad_token = pad_token
     if chat_template is not None:

@@ -36,3 +36,13 @@ def test_final_integer_and_bad_range():
     assert final_integer("none") is None
     with pytest.raises(ValueError, match="min_operand <= max_operand"):
         ArithmeticEnv(min_operand=50, max_operand=10)
+
+
+def test_reply_with_more_digits_than_int_allows_is_a_wrong_answer():
+    env = ArithmeticEnv()
+    env.reset(row_index=3)
+    answer = make_problem(0, 3, False, 10, 99).answer
+    assert env.step(f"{answer} or " + "9" * 4301)[1:4] == (0.0, True, False)  # int() refuses > 4300 digits
+    assert env.step("0" * 5000 + str(answer))[1] == 1.0  # leading zeros do not count
+    assert final_integer("-" + "0" * 5000 + "42") == -42
+    assert final_integer("1" * 101) is None and final_integer("1" * 100) == int("1" * 100)

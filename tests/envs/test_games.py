@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import re
+import time
 
 import pytest
 
@@ -11,7 +13,7 @@ from rlhf_lightning.envs.base import TextEnv
 from rlhf_lightning.envs.guess_number import GuessNumberEnv
 from rlhf_lightning.envs.math import MathEnv, verify
 from rlhf_lightning.envs.sudoku import SudokuEnv, is_valid_grid, solution_grid
-from rlhf_lightning.envs.tool_calc import ToolCalcEnv, safe_eval
+from rlhf_lightning.envs.tool_calc import CalcError, ToolCalcEnv, safe_eval
 
 
 def test_guess_number_feedback_and_rewards():
@@ -89,3 +91,47 @@ def test_math_env_reads_files_and_verifies_equivalent_answers(tmp_path):
         MathEnv(path=str(path))
     with pytest.raises(FileNotFoundError, match=r"env\.kwargs\.path"):
         MathEnv(path=str(tmp_path / "missing.jsonl"))
+
+
+def test_malformed_jsonl_line_names_file_and_line(tmp_path):
+    from rlhf_lightning.validation import ConfigError
+
+    path = tmp_path / "p.jsonl"
+    # U+2028 inside a JSON string is valid JSON and must not split the line
+    path.write_text(
+        '{"question": "1+1?", "answer": "2"}\n\n{"question": "a\u2028b", "answer": "4"}\n{"q": 1,}\n'
+    )
+    with pytest.raises(ConfigError) as err:
+        MathEnv(path=str(path))
+    assert f"env.kwargs.path={str(path)!r}: line 4 is not valid JSON" in str(err.value)
+    assert "Expecting property name" in str(err.value)
+    path.write_text('{"question": "1+1?", "answer": "2"}\n["not", "an object"]\n')
+    with pytest.raises(ConfigError, match=r"line 2 is \[\"not\", \"an object\"\], not a JSON object"):
+        MathEnv(path=str(path))
+    path.write_text('{"question": "1+1?", "answer": "2"}\n{"question": "a\u2028b", "answer": "4"}\n')
+    assert [row["answer"] for row in read_rows(path)] == ["2", "4"]
+
+
+def test_tool_calc_long_deep_and_huge_inputs_are_answered_not_crashed():
+    assert safe_eval(" + ".join(["7"] * 1000)) == 7000  # no recursion: any length evaluates
+    assert safe_eval("(" * 3000 + "2" + ")" * 3000 + " * -3") == -6
+    for expr, error in [
+        ("1+" * 6000 + "1", "longer than 10000 characters"),
+        ("999999999" + " * 999999999" * 20, "result too large"),
+        ("1" * 4301, "numbers must be below 10**9"),
+        ("2 ** 3", "unexpected '*'"),
+    ]:
+        with pytest.raises(CalcError, match=re.escape(error)):
+            safe_eval(expr)
+    env = ToolCalcEnv(max_calls=5)
+    env.reset(row_index=0)
+    obs, _, done, _, _ = env.step(f"CALC({'1 + ' * 6000}1)")
+    assert obs.startswith("RESULT: error: expression longer than") and not done
+    obs, r, done, _, info = env.step("ANSWER: " + "9" * 4301)  # past int()'s 4300-digit limit
+    assert done and r == 0.0 and not info["correct"]
+    for reply in ("CALC(" * 10_000, "ANSWER" + " " * 50_000 + "x"):  # quadratic regexes took seconds
+        env.reset(row_index=0)
+        start = time.perf_counter()
+        obs, r, done, _, _ = env.step(reply)
+        assert time.perf_counter() - start < 1.0
+        assert (obs, r, done) == ("", 0.0, True)

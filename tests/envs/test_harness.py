@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -73,6 +74,9 @@ class BadEnv:
         ((None, 1.0, True, False, {}), "BadEnv.step returned observation of type NoneType"),
         (("", float("nan"), True, False, {}), "BadEnv.step returned reward=nan"),
         (("", "1", True, False, {}), "BadEnv.step returned reward='1'"),
+        (("", np.float32("inf"), True, False, {}), r"BadEnv.step returned reward=np.float32\(inf\)"),
+        (("", np.bool_(True), True, False, {}), r"BadEnv.step returned reward=np.True_"),
+        (("", torch.tensor([1.0]), True, False, {}), r"BadEnv.step returned reward=tensor\(\[1\.\]\)"),
         (("", 1.0, 1, False, {}), "BadEnv.step returned terminated=1"),
         (("", 1.0, True, False), "BadEnv.step must return"),
     ],
@@ -81,3 +85,15 @@ def test_env_returning_wrong_types_is_named(tiny_tokenizer, bad, match):
     harness = RolloutHarness(lambda: BadEnv(bad), tiny_tokenizer, ChatFormatter(tiny_tokenizer))
     with pytest.raises(TypeError, match=match):
         harness.rollout(ScriptedEngine([[5, 2]]), [0], SamplingParams(max_new_tokens=2))
+
+
+@pytest.mark.parametrize(
+    "reward", [np.float32(0.5), np.float64(0.5), np.int64(1), np.array(0.5), torch.tensor(0.5), 0.5]
+)
+def test_numpy_and_0d_tensor_rewards_are_numbers(tiny_tokenizer, reward):
+    harness = RolloutHarness(
+        lambda: BadEnv(("", reward, True, False, {})), tiny_tokenizer, ChatFormatter(tiny_tokenizer)
+    )
+    result = harness.rollout(ScriptedEngine([[5, 2]]), [0], SamplingParams(max_new_tokens=2))
+    assert result.batch.rewards.tolist() == [[float(reward)]]
+    assert type(result.trajectories[0].rewards[0]) is float
