@@ -18,6 +18,8 @@ def main(cfg: DictConfig) -> float | None:
         result = run(cfg)
     except ConfigError as err:  # a bad value: the message says which and what is allowed, no traceback
         raise SystemExit(f"error: {err}") from None
+    if result.exit_code:  # stopped by a signal (128 + its number) or by the guard (1), checkpoint saved
+        raise SystemExit(result.exit_code)
     return result.metrics.get("eval/accuracy_sampled")  # the value an Optuna sweeper would optimise
 
 

@@ -245,6 +245,7 @@ class LoggerConfig:
     group: str | None = None
     tags: list[str] = field(default_factory=list)
     mode: str | None = None  # wandb: online | offline | disabled (default: WANDB_MODE or online)
+    flush_every_n_steps: int = 10  # metrics.csv reaches the disk at least this often
 
 
 @dataclass
@@ -284,6 +285,19 @@ class CheckpointConfig:
     every_n_steps: int = 100  # 0: only at the end
     save_last: bool = True
     export_adapters: bool = True  # a PEFT directory per adapter next to each checkpoint
+    keep_last: int = 3  # step checkpoints kept (older ones and their adapters are deleted); -1: all
+    monitor: str | None = "eval/accuracy_greedy"  # also keep the best by this metric (null: none)
+    monitor_mode: str = "max"  # max | min
+
+
+@dataclass
+class GuardConfig:
+    """Divergence and collapse guard (see ``rlhf_lightning/callbacks/guard.py``)."""
+
+    max_nonfinite_steps: int = 3  # stop after this many skipped (non-finite) steps in a row; 0: never
+    patience: int = 10  # steps in a row a collapse signal must hold before it fires
+    empty_frac: float = 0.9  # share of empty completions that counts as collapse
+    stop_on_collapse: bool = False  # false: warn
 
 
 @dataclass
@@ -304,12 +318,15 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     samples: SamplesConfig = field(default_factory=SamplesConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
     name: str = "default"  # runs land in outputs/<name>/<timestamp>
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads; None: torch's default (OMP_NUM_THREADS or all cores)
     output_dir: str | None = None  # default: Hydra's run directory
     ckpt_path: str | None = None  # resume from this Lightning checkpoint
-    resume: bool = False  # resume from the newest outputs/<name>/*/checkpoints/last.ckpt
+    # resume this run: output_dir's last checkpoint, or the newest outputs/<name>/* run with the same config
+    resume: bool = False
+    resume_force: bool = False  # resume although the config differs from the checkpoint run's
 
 
 def register_configs() -> None:

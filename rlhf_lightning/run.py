@@ -17,17 +17,34 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlhf_lightning.algorithms.spec import get_algorithm
 from rlhf_lightning.callbacks import AdapterExport, SameConfigOnAllRanks, SampleTable, config_digest
+from rlhf_lightning.callbacks.checkpoints import BestCheckpoint, KeepLast
+from rlhf_lightning.callbacks.guard import Guard
+from rlhf_lightning.callbacks.signals import StopOnSignal
 from rlhf_lightning.config import register_configs
 from rlhf_lightning.data.offline import OfflineDataModule
 from rlhf_lightning.data.prompts import PromptDataModule
 from rlhf_lightning.envs.factory import env_factory, split_sizes
 from rlhf_lightning.envs.harness import ChatFormatter, RolloutHarness
+from rlhf_lightning.loggers import build_loggers
 from rlhf_lightning.models.build import build_policy, load_model, load_tokenizer
 from rlhf_lightning.rollout.callback import RolloutEngineCallback
 from rlhf_lightning.rollout.engine import SamplingParams
 from rlhf_lightning.rollout.hf import HFEngine
-from rlhf_lightning.strategies import build_strategy, distributed_job, single_job_argv
-from rlhf_lightning.validation import ConfigError, validate
+from rlhf_lightning.rundir import (
+    check_same_run,
+    claim_run_dir,
+    find_resumable,
+    process_rank,
+    release_run_dir,
+    save_run_config,
+)
+from rlhf_lightning.strategies import (
+    build_strategy,
+    distributed_job,
+    pass_output_dir_to_other_ranks,
+    single_job_argv,
+)
+from rlhf_lightning.validation import check, check_checkpoint, validate
 
 log = logging.getLogger(__name__)
 
@@ -54,48 +71,34 @@ def output_dir_for(cfg: DictConfig) -> Path:
         return Path("outputs") / cfg.name / time.strftime("%Y-%m-%d_%H-%M-%S")
 
 
-def find_last_checkpoint(output_dir: Path) -> str:
-    """The newest ``last.ckpt`` among the sibling runs of ``output_dir`` (``outputs/<name>/*``)."""
-    root = output_dir.parent
-    found = sorted(root.glob("*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
-    found = [p for p in found if output_dir not in p.parents]
-    if not found:
-        raise ConfigError(
-            "resume", True, f"no checkpoints/last.ckpt under {root}/*; pass ckpt_path=... or drop resume"
-        )
-    return str(found[-1])
+def checkpoint_step(path: str) -> int:
+    """The optimizer steps done in a Lightning checkpoint (its ``global_step``)."""
+    return int(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["global_step"])
 
 
-def build_loggers(cfg: DictConfig, output_dir: Path, run_name: str) -> list[Any]:
-    lg = cfg.logger
-    if lg.name == "csv":
-        from lightning.pytorch.loggers import CSVLogger
-
-        return [CSVLogger(save_dir=str(output_dir), name="", version="")]
-    if lg.name == "tensorboard":
-        from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-
-        return [
-            TensorBoardLogger(save_dir=str(output_dir), name="tensorboard", version=""),
-            CSVLogger(save_dir=str(output_dir), name="", version=""),
-        ]
-    try:
-        import wandb  # noqa: F401
-        from lightning.pytorch.loggers import CSVLogger, WandbLogger
-    except ImportError as err:
-        raise ImportError("logger=wandb needs wandb: pip install 'rlhf_lightning[wandb]'") from err
-    kwargs: dict[str, Any] = {
-        "project": lg.project,
-        "entity": lg.entity,
-        "group": lg.group,
-        "tags": list(lg.tags),
-    }
-    if lg.mode:
-        kwargs["mode"] = lg.mode
-    return [
-        WandbLogger(name=run_name, save_dir=str(output_dir), **kwargs),
-        CSVLogger(save_dir=str(output_dir), name="", version=""),
-    ]
+def prepare_run_dir(cfg: DictConfig) -> tuple[Path, str | None]:
+    """This run's directory (claimed: no other live run writes there) and the checkpoint it
+    resumes from (``ckpt_path``; or with ``resume=true``, ``output_dir``'s last checkpoint, or the
+    newest ``outputs/<name>/*`` run of the same config, whose directory the run then continues)."""
+    explicit = bool(cfg.output_dir)
+    out = output_dir_for(cfg)
+    ckpt = cfg.ckpt_path
+    if cfg.resume and not ckpt:
+        if not explicit:
+            out, explicit = find_resumable(out.parent, cfg, exclude=out), True
+        last = out / "checkpoints" / "last.ckpt"
+        check(last.is_file(), "resume", True, f"a checkpoint at {last} (output_dir names the run to resume)")
+        check_checkpoint("resume", str(last))
+        ckpt = str(last)
+    if ckpt:
+        check_same_run(cfg, Path(ckpt).resolve().parent.parent, cfg.resume_force)
+    if process_rank() != 0:  # the other ranks are handed rank 0's directory
+        out.mkdir(parents=True, exist_ok=True)
+        return out, ckpt
+    out = claim_run_dir(out, explicit=explicit)
+    save_run_config(cfg, out)
+    pass_output_dir_to_other_ranks(out)
+    return out, ckpt
 
 
 def finish_wandb() -> None:
@@ -242,6 +245,7 @@ class RunResult:
     module: L.LightningModule
     trainer: L.Trainer
     output_dir: Path
+    exit_code: int = 0  # 128 + signal number: stopped by a signal; 1: stopped by the guard
 
 
 def run(cfg: DictConfig, extra_callbacks: Sequence[L.Callback] = ()) -> RunResult:
@@ -255,14 +259,27 @@ def _run(cfg: DictConfig, extra_callbacks: Sequence[L.Callback]) -> RunResult:
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
     L.seed_everything(cfg.seed, workers=True)
-    output_dir = output_dir_for(cfg)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    ckpt_path = cfg.ckpt_path or (find_last_checkpoint(output_dir) if cfg.resume else None)
+    output_dir, ckpt_path = prepare_run_dir(cfg)
+    try:
+        return _fit(cfg, extra_callbacks, output_dir, ckpt_path)
+    finally:
+        release_run_dir(output_dir)
+
+
+def _fit(
+    cfg: DictConfig, extra_callbacks: Sequence[L.Callback], output_dir: Path, ckpt_path: str | None
+) -> RunResult:
+    resume_step = None
     if ckpt_path:
         log.info("resuming from %s", ckpt_path)
+        resume_step = (
+            checkpoint_step(ckpt_path)
+            if Path(ckpt_path).resolve().parent.parent == output_dir.resolve()
+            else None
+        )
     module, dm = build(cfg, output_dir)
     run_name = f"{cfg.name}-{cfg.algo.name}-{output_dir.name}"
-    loggers = build_loggers(cfg, output_dir, run_name)
+    loggers = build_loggers(cfg, output_dir, run_name, resume_step)
     for lg in loggers:
         lg.log_hyperparams(cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True)))
     ckpt_dir = output_dir / "checkpoints"
@@ -272,11 +289,25 @@ def _run(cfg: DictConfig, extra_callbacks: Sequence[L.Callback]) -> RunResult:
             dirpath=ckpt_dir,
             filename="step_{step:06d}",
             every_n_train_steps=every,
-            save_top_k=-1,
+            every_n_epochs=0,  # not at epoch ends: a stopped run's last.ckpt stays the stop step's
+            save_top_k=-1,  # KeepLast prunes
             save_last=cfg.checkpoint.save_last,
             auto_insert_metric_name=False,
         ),
+        KeepLast(ckpt_dir, cfg.checkpoint.keep_last),
     ]
+    if cfg.checkpoint.monitor:
+        callbacks.append(BestCheckpoint(ckpt_dir, cfg.checkpoint.monitor, cfg.checkpoint.monitor_mode))
+    stop = StopOnSignal(ckpt_dir)
+    g = cfg.guard
+    guard = Guard(
+        ckpt_dir,
+        patience=g.patience,
+        empty_frac=g.empty_frac,
+        stop_on_collapse=g.stop_on_collapse,
+        max_nonfinite_steps=g.max_nonfinite_steps,
+    )
+    callbacks += [stop, guard]
     if cfg.checkpoint.export_adapters:
         callbacks.append(AdapterExport(ckpt_dir))
     if cfg.samples.every_n_steps > 0:
@@ -288,7 +319,7 @@ def _run(cfg: DictConfig, extra_callbacks: Sequence[L.Callback]) -> RunResult:
     callbacks.append(engine_callback)
     callbacks.extend(extra_callbacks)
     trainer_kwargs = cast(dict[str, Any], OmegaConf.to_container(cfg.trainer, resolve=True))
-    single_job_argv()  # a multirun job's other ranks run this job only
+    single_job_argv(output_dir)  # a multirun job's other ranks run this job only
     trainer = L.Trainer(
         **trainer_kwargs,
         strategy=build_strategy(cfg.strategy),
@@ -296,22 +327,28 @@ def _run(cfg: DictConfig, extra_callbacks: Sequence[L.Callback]) -> RunResult:
         callbacks=callbacks,
         default_root_dir=str(output_dir),
     )
+    exit_code = 0
     try:
         if cfg.eval.before_training and not ckpt_path:
             trainer.validate(module, datamodule=dm, verbose=False)
         trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
-        if cfg.checkpoint.save_last:
-            trainer.save_checkpoint(ckpt_dir / "last.ckpt", weights_only=False)
-        if cfg.eval.at_end and module.last_eval_step != trainer.global_step:
-            trainer.validate(module, datamodule=dm, verbose=False)
+        if stop.stopped_by is not None:  # checkpoint saved at the signal's step
+            exit_code = 128 + stop.stopped_by
+        elif guard.stop_reason is not None:
+            exit_code = 1
+        else:
+            if cfg.checkpoint.save_last:
+                trainer.save_checkpoint(ckpt_dir / "last.ckpt", weights_only=False)
+            if cfg.eval.at_end and module.last_eval_step != trainer.global_step:
+                trainer.validate(module, datamodule=dm, verbose=False)
     finally:
         engine_callback.close(module)
         finish_wandb()
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    if trainer.is_global_zero:
+    if trainer.is_global_zero and not exit_code:
         log.info(
             "run finished in %s: %s",
             output_dir,
             {k: round(v, 4) for k, v in metrics.items() if k.startswith("eval/")},
         )
-    return RunResult(metrics, module, trainer, output_dir)
+    return RunResult(metrics, module, trainer, output_dir, exit_code)

@@ -16,6 +16,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, cast
 
 log = logging.getLogger(__name__)
@@ -114,7 +115,17 @@ def distributed_job() -> Iterator[None]:
         os.environ.update(environ)
 
 
-def single_job_argv() -> None:
+def pass_output_dir_to_other_ranks(output_dir: Path) -> None:
+    """Lightning's launcher starts the other ranks with ``sys.argv``: give them the directory
+    this rank claimed (it may differ from the one they would compose). Multiruns: see
+    :func:`single_job_argv`."""
+    if _in_multirun():
+        return
+    quoted = str(output_dir).replace("\\", "\\\\").replace('"', '\\"')
+    sys.argv = [a for a in sys.argv if not a.startswith("output_dir=")] + [f'output_dir="{quoted}"']
+
+
+def single_job_argv(output_dir: Path | None = None) -> None:
     """Under a Hydra multirun, Lightning's DDP launcher starts the other ranks with ``sys.argv``:
     the whole sweep, which each rank would then run again (an Optuna sweeper would even sample
     other values for them). Point it at this job alone: its own overrides and output directory."""
@@ -124,12 +135,13 @@ def single_job_argv() -> None:
 
     hc = HydraConfig.get()
     task = [o for o in hc.overrides.task if not o.startswith("output_dir=")]
-    out = str(hc.runtime.output_dir).replace("\\", "\\\\").replace('"', '\\"')  # the job dir holds '='
+    job_dir = output_dir or hc.runtime.output_dir
+    out = str(job_dir).replace("\\", "\\\\").replace('"', '\\"')  # the job dir holds '='
     sys.argv = [sys.argv[0], *task, f'output_dir="{out}"']
     # Lightning also hands the other ranks ``hydra.run.dir``: make it the job's directory, not
     # the single-run pattern, so they leave nothing elsewhere.
     from omegaconf import open_dict, read_write
 
     with read_write(cast(Any, hc)), open_dict(cast(Any, hc)):
-        hc.run.dir = str(hc.runtime.output_dir)
+        hc.run.dir = str(job_dir)
     log.info("multirun job: other ranks start with %s", sys.argv[1:])

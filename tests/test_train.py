@@ -70,21 +70,21 @@ def test_default_run_logs_eval_before_and_after_and_exports_adapter(tmp_path):
 def test_resume_continues_from_the_last_checkpoint(tmp_path):
     first = tmp_path / "outputs" / "resume" / "a"
     train(*FAST, "trainer.max_steps=2", f"output_dir={first}", cwd=tmp_path)
-    second = tmp_path / "outputs" / "resume" / "b"
-    proc = train(*FAST, "trainer.max_steps=4", "resume=true", f"output_dir={second}", cwd=tmp_path)
-    assert "resuming from" in proc.stdout + proc.stderr
-    rows = read_metrics(second)
-    steps = sorted({int(r["step"]) for r in rows if r.get("rollout/reward_mean")})
-    assert steps == [3, 4]  # continued after step 2, no eval-before-training on resume
+    # resume=true with output_dir: that run, continued in its own directory and metrics.csv
+    proc = train(*FAST, "trainer.max_steps=4", "resume=true", f"output_dir={first}", cwd=tmp_path)
+    assert f"resuming from {first / 'checkpoints' / 'last.ckpt'}" in proc.stdout + proc.stderr
+    rows = read_metrics(first)
+    steps = [int(r["step"]) for r in rows if r.get("rollout/reward_mean")]
+    assert steps == [1, 2, 3, 4]  # continued after step 2, no eval-before-training on resume
     explicit = tmp_path / "outputs" / "resume" / "c"
     train(
         *FAST,
-        "trainer.max_steps=3",
-        f"ckpt_path={first / 'checkpoints' / 'last.ckpt'}",
+        "trainer.max_steps=5",
+        f"ckpt_path={first / 'checkpoints' / 'last.ckpt'}",  # step 4 now
         f"output_dir={explicit}",
         cwd=tmp_path,
     )
-    assert sorted({int(r["step"]) for r in read_metrics(explicit) if r.get("rollout/reward_mean")}) == [3]
+    assert sorted({int(r["step"]) for r in read_metrics(explicit) if r.get("rollout/reward_mean")}) == [5]
 
 
 def test_multirun_sweeps_each_job_in_its_own_dir(tmp_path):

@@ -415,6 +415,8 @@ class RolloutModule(RolloutEvaluation):
             "rollout/reward_mean": returns.mean(),
             "rollout/reward_std": returns.std() if len(returns) > 1 else torch.zeros(()),
             "rollout/completion_len": traj.action_mask.sum(-1).float().mean(),
+            # at most one token (an eos): what a collapsed policy produces
+            "rollout/empty_frac": (traj.action_mask.sum(-1) <= 1).float().mean(),
         }
         out.update({k: torch.tensor(v) for k, v in result.metrics.items()})
         return {k: v.detach().float().cpu() for k, v in out.items()}

@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from rlhf_lightning.algorithms import rng
 from rlhf_lightning.algorithms.distributed import (
     agree_max,
     all_sum,
@@ -144,6 +145,26 @@ class ModuleMixin(L.LightningModule):
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         self._grad_metrics = self.clip_gradients_(optimizer)
+        self.skip_if_nonfinite(self._grad_metrics)
+
+    nonfinite_streak = 0  # optimizer steps in a row skipped for a non-finite gradient (the guard reads it)
+    skipped_steps = 0
+
+    def skip_if_nonfinite(self, grad_metrics: Metrics) -> None:
+        """Drop the gradients of a step whose gradient norm is not finite: AdamW leaves
+        parameters without a gradient untouched, so the weights keep their last good values.
+        The norms are global, so every rank decides the same. (fp16 loss scaling skips such
+        steps itself while it calibrates; they are not counted then.)"""
+        norms = [v for k, v in grad_metrics.items() if k.endswith("grad_norm")]
+        if not norms or bool(torch.stack([n.float() for n in norms]).isfinite().all()):
+            self.nonfinite_streak = 0
+        else:
+            for p in self.policy.trainable_parameters():
+                p.grad = None
+            if self._trainer is None or str(self.trainer.precision) not in ("16-mixed", "16"):
+                self.nonfinite_streak += 1
+                self.skipped_steps += 1
+        grad_metrics["guard/skipped_steps"] = torch.tensor(float(self.skipped_steps))
 
     def clip_gradients_(self, optimizer: Any) -> Metrics:
         """Clip all trainable gradients by their global norm (``algo.grad_clip``) through Lightning."""
@@ -180,7 +201,28 @@ class ModuleMixin(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Keep trainable weights (and a reference adapter, which may move) only: the frozen base
-        is reloaded from its path on resume."""
+        is reloaded from its path on resume. Every rank's RNG states go in too (exact resume)."""
         keep = self.checkpoint_keys()
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
         checkpoint["trainable_only"] = True
+        checkpoint["rng_states"] = rng.gather(rng.capture(self.rng_generators()), self.world_size)
+        checkpoint["guard"] = {"nonfinite_streak": self.nonfinite_streak, "skipped_steps": self.skipped_steps}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        guard = checkpoint.get("guard", {})
+        self.nonfinite_streak = guard.get("nonfinite_streak", 0)
+        self.skipped_steps = guard.get("skipped_steps", 0)
+        states = checkpoint.get("rng_states")
+        if states:
+            self._pending_rng = states[self.rank] if self.rank < len(states) else states[0]
+
+    def rng_generators(self) -> dict[str, torch.Generator]:
+        """Generators of the module's own that a resume must restore (beside the global ones)."""
+        return {}
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """The first step after a resume starts from the RNG states of the checkpoint's step."""
+        pending = getattr(self, "_pending_rng", None)
+        if pending is not None:
+            rng.restore(pending, self.rng_generators())
+            self._pending_rng = None

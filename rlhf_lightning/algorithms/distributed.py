@@ -120,6 +120,15 @@ def gather_rows(x: torch.Tensor, world_size: int, rank: int) -> tuple[torch.Tens
     return torch.cat([p[:c] for p, c in zip(parts, counts)]), sum(counts[:rank])
 
 
+def gather_objects(obj: Any, world_size: int) -> list[Any]:
+    """Every rank's ``obj`` (picklable), in rank order; every rank must call this."""
+    if not is_distributed(world_size):
+        return [obj]
+    out: list[Any] = [None] * world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def reduce_metrics(metrics: dict[str, float], world_size: int) -> dict[str, float]:
     """Metrics averaged over the ranks that logged them (``*_max`` keys: the max)."""
     if not is_distributed(world_size):

@@ -8,6 +8,7 @@ from typing import Any, cast
 
 import torch
 
+from rlhf_lightning.algorithms import rng
 from rlhf_lightning.algorithms.common import ModuleMixin
 from rlhf_lightning.envs.harness import RolloutResult
 from rlhf_lightning.models.sharding import gathered
@@ -54,6 +55,7 @@ class RolloutEvaluation(ModuleMixin):
     eval_num_samples: int = 1
     last_eval_step: int
     _eval_outputs: dict[str, list[torch.Tensor]]
+    _rng_before_eval: dict[str, Any] | None = None
 
     def rollout(
         self, rows: list[int], params: SamplingParams, *, group_size: int, evaluation: bool = False
@@ -69,6 +71,19 @@ class RolloutEvaluation(ModuleMixin):
             return self.harness.rollout(
                 self.engine, rows, params, group_size=group_size, evaluation=evaluation
             )
+
+    def on_validation_start(self) -> None:
+        # Evaluation samples from the global RNGs; put them back afterwards, so training draws
+        # the same numbers whether or not (and however often) it evaluates: a resumed run,
+        # which skips the evaluation after its checkpoint, then continues exactly.
+        self._rng_before_eval = rng.capture()
+
+    def restore_training_rng(self) -> None:
+        """At the end of the validation epoch: before any callback saves a checkpoint."""
+        state = self._rng_before_eval
+        if state is not None:
+            rng.restore(state)
+            self._rng_before_eval = None
 
     def on_validation_epoch_start(self) -> None:
         self._eval_outputs = {}
@@ -101,3 +116,4 @@ class RolloutEvaluation(ModuleMixin):
             if key in metrics:
                 self.log(short, metrics[key], prog_bar=True, logger=False)
         self.last_eval_step = self.global_step
+        self.restore_training_rng()

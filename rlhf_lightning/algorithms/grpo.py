@@ -36,6 +36,9 @@ class GRPOModule(RolloutModule):
         # Refill prompts differ per rank (each rank draws its own).
         self.row_generator = torch.Generator().manual_seed(torch.initial_seed() % 2**31 + 7919 * self.rank)
 
+    def rng_generators(self) -> dict[str, torch.Generator]:
+        return {"refill_rows": self.row_generator}
+
     def compute_advantages(
         self, traj: TrajectoryBatch, rewards: torch.Tensor, returns: torch.Tensor
     ) -> torch.Tensor:

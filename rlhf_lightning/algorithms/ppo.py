@@ -150,8 +150,10 @@ class PPOModule(RolloutModule):
         out = {}
         for part in ("actor", "critic"):
             params = self.policy.trainable_parameters(part)
-            out[f"{part}/grad_norm"] = norm = grad_norm(params, self.world_size)
+            norm = grad_norm(params, self.world_size)
             clip_by_norm(params, max_norm, norm)
+            if part == "critic" or self.actor_loss_enabled():  # no actor norm in the critic warm-up
+                out[f"{part}/grad_norm"] = norm
         return out
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
@@ -170,6 +172,7 @@ class PPOModule(RolloutModule):
         checkpoint["ppo_learn_steps"] = self.learn_steps
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
         self.learn_steps = checkpoint.get("ppo_learn_steps", 0)
 
 

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from rlhf_lightning.data.files import read_rows, require_columns, split_rows
 from rlhf_lightning.data.prompts import RowDataset, per_rank_batch
+from rlhf_lightning.data.resumable import resumable_loader
 from rlhf_lightning.envs.harness import ChatFormatter
 from rlhf_lightning.envs.trajectory import Trajectory, TrajectoryBatch, collate
 
@@ -223,24 +224,33 @@ class OfflineDataModule(L.LightningDataModule):
         self.env_eval_rows, self.env_eval_batch_size = env_eval_rows, env_eval_batch_size
 
     def train_dataloader(self) -> DataLoader:
-        gen = torch.Generator().manual_seed(self.seed)
-        return DataLoader(
+        """Shuffled from ``seed + epoch``, each rank its share; resumes mid-epoch from a checkpoint."""
+        return resumable_loader(
+            self,
             self.train_set,
-            batch_size=per_rank_batch(self, self.batch_size, "algo.batch_size"),
-            shuffle=True,
-            drop_last=True,
-            generator=gen,
-            collate_fn=self.collator,
+            per_rank_batch(self, self.batch_size, "algo.batch_size"),
+            self.seed,
+            self.collator,
         )
 
     def val_dataloader(self) -> list[DataLoader]:
-        loaders = [DataLoader(self.eval_set, batch_size=self.batch_size, collate_fn=self.collator)]
+        # Own generators: creating a loader's iterator otherwise draws from the global RNG
+        # (an evaluation would then shift training's random numbers).
+        loaders = [
+            DataLoader(
+                self.eval_set,
+                batch_size=self.batch_size,
+                collate_fn=self.collator,
+                generator=torch.Generator(),
+            )
+        ]
         if self.env_eval_rows:
             loaders.append(
                 DataLoader(
                     RowDataset(self.env_eval_rows),
                     batch_size=self.env_eval_batch_size,
                     collate_fn=lambda rows: torch.tensor(rows, dtype=torch.long),
+                    generator=torch.Generator(),
                 )
             )
         return loaders

@@ -11,6 +11,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from rlhf_lightning.data.resumable import resumable_loader
 from rlhf_lightning.strategies import split_global
 
 
@@ -50,17 +51,20 @@ class PromptDataModule(L.LightningDataModule):
         self.prompts_per_step, self.eval_batch_size, self.seed = prompts_per_step, eval_batch_size, seed
 
     def train_dataloader(self) -> DataLoader:
-        gen = torch.Generator().manual_seed(self.seed)
-        return DataLoader(
+        """Shuffled from ``seed + epoch``, each rank its share; resumes mid-epoch from a checkpoint."""
+        return resumable_loader(
+            self,
             RowDataset(self.train_rows),
-            batch_size=per_rank_batch(self, self.prompts_per_step, "algo.prompts_per_step"),
-            shuffle=True,
-            drop_last=True,
-            generator=gen,
-            collate_fn=_collate,
+            per_rank_batch(self, self.prompts_per_step, "algo.prompts_per_step"),
+            self.seed,
+            _collate,
         )
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(
-            RowDataset(self.eval_rows), batch_size=self.eval_batch_size, shuffle=False, collate_fn=_collate
+        return DataLoader(  # its own generator: the iterator then leaves the global RNG alone
+            RowDataset(self.eval_rows),
+            batch_size=self.eval_batch_size,
+            shuffle=False,
+            collate_fn=_collate,
+            generator=torch.Generator(),
         )

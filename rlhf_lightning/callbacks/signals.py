@@ -1,0 +1,84 @@
+"""Stop on a signal with nothing lost: SIGTERM (cluster shutdown, ``kill``), SIGUSR1 (SLURM's
+pre-emption warning, ``#SBATCH --signal=USR1@120``) and SIGINT (Ctrl-C) let the step in progress
+finish, save a checkpoint of it, and end the run; the CLI then exits with 128 + the signal's
+number. A second Ctrl-C interrupts at once (no checkpoint of the step in progress).
+
+A signal may reach one rank only: the ranks agree at each step's end (one all-reduce) and stop
+together.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+from rlhf_lightning.algorithms.distributed import is_distributed
+
+log = logging.getLogger(__name__)
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+def stop_after_this_step(trainer: L.Trainer) -> None:
+    """End the fit after the current step, even before Lightning's minimum epochs/steps (which
+    default to one epoch and would otherwise keep the run going)."""
+    trainer.fit_loop.min_epochs = 0
+    trainer.fit_loop.epoch_loop.min_steps = 0
+    trainer.should_stop = True
+
+
+class StopOnSignal(L.Callback):
+    """Args: ckpt_dir: where the checkpoint of the last finished step goes (``last.ckpt``)."""
+
+    def __init__(self, ckpt_dir: str | Path) -> None:
+        self.ckpt_path = Path(ckpt_dir) / "last.ckpt"
+        self.received = 0
+        self.stopped_by: int | None = None  # the signal that ended the run
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and self.received == signal.SIGINT:
+            raise KeyboardInterrupt  # the second Ctrl-C: stop now
+        self.received = signum
+        log.warning(
+            "received %s: the run stops after the step in progress, with a checkpoint",
+            signal.Signals(signum).name,
+        )
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # After Lightning's own handlers (registered when the run starts), which it restores later.
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        received = self.received
+        if is_distributed(trainer.world_size):  # every rank stops at the same step
+            flag = torch.tensor([received], device=pl_module.device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            received = int(flag.item())
+        if not received or self.stopped_by is not None:
+            return
+        trainer.save_checkpoint(self.ckpt_path)
+        self.stopped_by = received
+        stop_after_this_step(trainer)
+        if trainer.is_global_zero:
+            log.warning(
+                "stopped by %s after step %d; checkpoint: %s (resume with ckpt_path=%s)",
+                signal.Signals(received).name,
+                trainer.global_step,
+                self.ckpt_path,
+                self.ckpt_path,
+            )
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}

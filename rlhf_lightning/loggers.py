@@ -1,0 +1,82 @@
+"""Loggers: the configured one (csv, tensorboard, wandb) and always ``metrics.csv``, which
+reaches the disk every ``logger.flush_every_n_steps`` steps and, when a run resumes in its own
+directory, keeps the rows up to the checkpoint's step (Lightning's CSV logger would delete them)."""
+
+from __future__ import annotations
+
+import csv as csvlib
+from pathlib import Path
+from typing import Any, cast
+
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.loggers.logger import rank_zero_experiment
+from omegaconf import DictConfig
+
+
+class _ContinuingWriter(ExperimentWriter):
+    """Keeps an existing ``metrics.csv``: its rows up to ``resume_step``, and its columns."""
+
+    def __init__(self, log_dir: str, resume_step: int | None) -> None:
+        self.resume_step = resume_step
+        super().__init__(log_dir=log_dir)
+
+    def _check_log_dir_exists(self) -> None:
+        path = Path(self.metrics_file_path)
+        if self.resume_step is None or not path.is_file():
+            super()._check_log_dir_exists()
+            return
+        with path.open(newline="") as f:
+            reader = csvlib.DictReader(f)
+            keys = list(reader.fieldnames or [])
+            rows = [r for r in reader if r.get("step", "") == "" or int(r["step"]) <= self.resume_step]
+        with path.open("w", newline="") as f:
+            writer = csvlib.DictWriter(f, fieldnames=keys)
+            writer.writeheader()
+            writer.writerows(rows)
+        self.metrics_keys = keys
+
+
+class RunCSVLogger(CSVLogger):
+    """``<output_dir>/metrics.csv``, flushed every ``flush_every`` steps; ``resume_step``: continue
+    the file of a run resumed in place (rows after that step are dropped: they are redone)."""
+
+    def __init__(self, output_dir: Path, flush_every: int = 10, resume_step: int | None = None) -> None:
+        super().__init__(save_dir=str(output_dir), name="", version="", flush_logs_every_n_steps=flush_every)
+        self.resume_step = resume_step
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> ExperimentWriter:
+        if self._experiment is None:
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = _ContinuingWriter(self.log_dir, self.resume_step)
+        return cast(ExperimentWriter, self._experiment)
+
+
+def build_loggers(
+    cfg: DictConfig, output_dir: Path, run_name: str, resume_step: int | None = None
+) -> list[Any]:
+    """The configured logger, and always ``metrics.csv`` (continued when a run resumes in place)."""
+    lg = cfg.logger
+    csv = RunCSVLogger(output_dir, lg.flush_every_n_steps, resume_step)
+    if lg.name == "csv":
+        return [csv]
+    if lg.name == "tensorboard":
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        return [TensorBoardLogger(save_dir=str(output_dir), name="tensorboard", version=""), csv]
+    try:
+        import wandb  # noqa: F401
+        from lightning.pytorch.loggers import WandbLogger
+    except ImportError as err:
+        raise ImportError("logger=wandb needs wandb: pip install 'rlhf_lightning[wandb]'") from err
+    kwargs: dict[str, Any] = {
+        "project": lg.project,
+        "entity": lg.entity,
+        "group": lg.group,
+        "tags": list(lg.tags),
+    }
+    if lg.mode:
+        kwargs["mode"] = lg.mode
+    return [WandbLogger(name=run_name, save_dir=str(output_dir), **kwargs), csv]

@@ -1,0 +1,182 @@
+"""Run identity: every run owns its directory, and ``resume=true`` finds *this* run.
+
+claim_run_dir   the run directory, created and locked exclusively (``.run.lock`` holds the
+                host and pid); a live run's directory is never shared: a same-second start
+                of the same name gets ``<dir>_1``; a lock left by a killed process is taken over
+find_resumable  the newest ``outputs/<name>/*`` run with a ``checkpoints/last.ckpt`` whose
+                saved ``config.yaml`` matches this config (fields in SAFE_TO_CHANGE aside)
+config_changes  what differs between two configs, key by key
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from rlhf_lightning.validation import ConfigError
+
+log = logging.getLogger(__name__)
+
+LOCK = ".run.lock"
+CONFIG = "config.yaml"
+# Fields a resumed run may change: where it writes, how long it runs, what it logs and saves.
+SAFE_TO_CHANGE = (
+    "output_dir",
+    "resume",
+    "resume_force",
+    "ckpt_path",
+    "num_threads",
+    "trainer.max_steps",
+    "trainer.max_epochs",
+    "trainer.enable_progress_bar",
+    "checkpoint.",
+    "logger.",
+    "samples.",
+)
+
+
+def process_rank() -> int:
+    """This process's global rank from the launcher's environment (0 before any launcher)."""
+    for var in ("RANK", "SLURM_PROCID", "LOCAL_RANK"):
+        if os.environ.get(var):
+            return int(os.environ[var])
+    return 0
+
+
+def _holder(lock: Path) -> tuple[str, int] | None:
+    try:
+        host, pid = lock.read_text().split()
+        return host, int(pid)
+    except (OSError, ValueError):
+        return None
+
+
+def _is_stale(lock: Path) -> bool:
+    """A lock whose process is gone (on this host; another host's lock counts as live)."""
+    holder = _holder(lock)
+    if holder is None:
+        return True
+    host, pid = holder
+    if host != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return pid == os.getpid()
+
+
+def claim_run_dir(path: Path, *, explicit: bool) -> Path:
+    """Create and lock the run directory ``path`` (or ``path_1``, ``path_2``... when a live run
+    holds it and the path came from the timestamp pattern). ``explicit``: the user named it
+    (``output_dir=``): a live holder is an error, not a reason to go elsewhere."""
+    candidate, n = path, 0
+    while True:
+        candidate.mkdir(parents=True, exist_ok=True)
+        lock = candidate / LOCK
+        if not explicit and (candidate / CONFIG).exists() and not lock.exists():
+            n += 1  # an earlier run's results: a new run never writes over them
+            candidate = path.with_name(f"{path.name}_{n}")
+            continue
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            if _is_stale(lock):
+                lock.unlink(missing_ok=True)
+                continue
+            who = "{}:{}".format(*_holder(lock) or ("?", "?"))
+            if explicit:
+                raise ConfigError(
+                    "output_dir",
+                    str(path),
+                    f"a directory no live run uses ({who} holds {lock}; delete that file if the run is gone)",
+                ) from None
+            n += 1
+            candidate = path.with_name(f"{path.name}_{n}")
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{socket.gethostname()} {os.getpid()}")
+        if candidate != path:
+            log.warning("%s is in use by another run: this run writes to %s", path, candidate)
+        return candidate
+
+
+def release_run_dir(path: Path) -> None:
+    lock = path / LOCK
+    holder = _holder(lock)
+    if holder is not None and holder == (socket.gethostname(), os.getpid()):
+        lock.unlink(missing_ok=True)
+
+
+def _flat(cfg: Any, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if isinstance(cfg, dict):
+        for k, v in cfg.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    out[prefix[:-1]] = cfg
+    return out
+
+
+def config_changes(saved: DictConfig, current: DictConfig) -> list[str]:
+    """``key: saved -> current`` for every field that differs, SAFE_TO_CHANGE aside."""
+    a = _flat(OmegaConf.to_container(saved, resolve=False))
+    b = _flat(OmegaConf.to_container(current, resolve=False))
+    out = []
+    for key in sorted(a.keys() | b.keys()):
+        if any(key == s or (s.endswith(".") and key.startswith(s)) for s in SAFE_TO_CHANGE):
+            continue
+        if a.get(key, "<absent>") != b.get(key, "<absent>"):
+            out.append(f"{key}: {a.get(key, '<absent>')!r} -> {b.get(key, '<absent>')!r}")
+    return out
+
+
+def save_run_config(cfg: DictConfig, run_dir: Path) -> None:
+    OmegaConf.save(cfg, run_dir / CONFIG)
+
+
+def check_same_run(cfg: DictConfig, run_dir: Path, force: bool) -> None:
+    """Refuse to resume ``run_dir`` with a config that differs in more than SAFE_TO_CHANGE."""
+    saved_path = run_dir / CONFIG
+    if not saved_path.is_file():
+        return  # a checkpoint from elsewhere (or an older run): nothing to compare with
+    changes = config_changes(OmegaConf.load(saved_path), cfg)  # type: ignore[arg-type]
+    if changes and not force:
+        shown = "; ".join(changes[:8]) + (f"; ... ({len(changes)} in all)" if len(changes) > 8 else "")
+        raise ConfigError(
+            "resume",
+            str(run_dir),
+            f"the same config as the checkpoint's run, which differs in: {shown} "
+            "(resume_force=true resumes anyway)",
+        )
+
+
+def find_resumable(root: Path, cfg: DictConfig, exclude: Path | None = None) -> Path:
+    """The newest run under ``root`` (``outputs/<name>``) with a last checkpoint and this config."""
+    runs = sorted(
+        (p.parent.parent for p in root.glob("*/checkpoints/last.ckpt")),
+        key=lambda d: (d / "checkpoints" / "last.ckpt").stat().st_mtime,
+        reverse=True,
+    )
+    runs = [d for d in runs if exclude is None or d.resolve() != exclude.resolve()]
+    mismatched = []
+    for d in runs:
+        saved = d / CONFIG
+        changes = config_changes(OmegaConf.load(saved), cfg) if saved.is_file() else ["<no config.yaml>"]  # type: ignore[arg-type]
+        if not changes:
+            return d
+        mismatched.append(f"{d.name} ({changes[0]}{', ...' if len(changes) > 1 else ''})")
+    why = f"; runs with another config: {', '.join(mismatched[:3])}" if mismatched else ""
+    raise ConfigError(
+        "resume",
+        True,
+        f"a run of this config with checkpoints/last.ckpt under {root}/*{why}; pass output_dir=<run dir> "
+        "or ckpt_path=..., or drop resume",
+    )

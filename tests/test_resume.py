@@ -1,0 +1,197 @@
+"""Runs that survive: SIGKILL and SIGTERM followed by a resume continue exactly like the run that
+was never interrupted; run directories are never shared; ``resume=true`` finds this run."""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+ARGS = [
+    "algo.prompts_per_step=4",
+    "algo.group_size=4",
+    "trainer.max_steps=8",
+    "trainer.val_check_interval=3",
+    "trainer.enable_progress_bar=false",
+    "env.kwargs.eval_size=20",
+    "eval.batch_size=20",
+    "checkpoint.every_n_steps=2",
+    "num_threads=1",
+]
+ALGOS = {"grpo": [], "dapo": ["algo=dapo"], "ppo": ["algo=ppo"]}
+
+
+def command(*overrides: str) -> list[str]:
+    return [sys.executable, str(ROOT / "train.py"), *ARGS, *overrides]
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+def train(cwd: Path, *overrides: str, rc: int = 0) -> str:
+    proc = subprocess.run(
+        command(*overrides), cwd=cwd, capture_output=True, text=True, timeout=600, env=env()
+    )
+    assert proc.returncode == rc, proc.stderr[-4000:]
+    return proc.stdout + proc.stderr
+
+
+def start(cwd: Path, *overrides: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        command(*overrides),
+        cwd=cwd,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group: a kill reaches every rank
+    )
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
+    end = time.time() + timeout
+    while not path.exists():
+        assert proc.poll() is None, f"the run ended before {path} appeared: {proc.stdout.read()[-3000:]}"  # type: ignore[union-attr]
+        assert time.time() < end, f"{path} never appeared"
+        time.sleep(0.1)
+
+
+def rows(run: Path) -> dict[str, dict[str, str]]:
+    """metrics.csv rows keyed by step (training rows) and step + 'eval' (evaluation rows), timing
+    columns left out (they differ between any two runs)."""
+    out = {}
+    with (run / "metrics.csv").open() as f:
+        for r in csv.DictReader(f):
+            key = r["step"] + (" eval" if r.get("eval/accuracy_greedy") else "")
+            out[key] = {k: v for k, v in r.items() if not k.startswith("perf/")}
+    return out
+
+
+def ckpt_step(path: Path) -> int:
+    return int(torch.load(path, map_location="cpu", weights_only=True)["global_step"])
+
+
+def assert_continues_exactly(reference: Path, resumed: Path, after: int) -> None:
+    ref = {k: v for k, v in rows(reference).items() if int(k.split()[0]) > after}
+    got = {k: v for k, v in rows(resumed).items() if int(k.split()[0]) > after}
+    assert ref and got.keys() == ref.keys()
+    for key in ref:
+        assert got[key] == ref[key], key  # every column, as written: bitwise on CPU in float32
+
+
+@pytest.mark.parametrize("algo", [*ALGOS, "grpo_2_processes"])
+def test_sigkill_then_resume_continues_exactly(tmp_path, algo):
+    # 2 processes: every rank's RNG states and data position are in the checkpoint
+    ddp = ["strategy=ddp", "trainer.accelerator=cpu", "trainer.devices=2"]
+    overrides = ALGOS.get(algo, ddp)
+    train(tmp_path, *overrides, f"output_dir={tmp_path / 'A'}")
+    killed = tmp_path / "B"
+    proc = start(tmp_path, *overrides, f"output_dir={killed}")
+    wait_for(killed / "checkpoints" / "step_000004.ckpt", proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    step = ckpt_step(killed / "checkpoints" / "last.ckpt")  # 4, or 2 if killed before last.ckpt followed
+    assert step >= 2
+    train(tmp_path, *overrides, f"output_dir={killed}", "resume=true")
+    assert_continues_exactly(tmp_path / "A", killed, after=step)
+
+
+def test_sigterm_saves_the_step_exits_nonzero_and_resumes_exactly(tmp_path):
+    train(tmp_path, "checkpoint.every_n_steps=0", f"output_dir={tmp_path / 'A'}")
+    run = tmp_path / "B"
+    proc = start(tmp_path, "checkpoint.every_n_steps=0", "logger.flush_every_n_steps=1", f"output_dir={run}")
+    metrics = run / "metrics.csv"
+    end = time.time() + 300
+    while not (metrics.exists() and any(r.startswith("3") for r in rows(run))):
+        assert proc.poll() is None and time.time() < end
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    err, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "stopped by SIGTERM after step" in err
+    step = ckpt_step(run / "checkpoints" / "last.ckpt")
+    assert 3 <= step < 8  # the step the signal arrived in, not the end
+    train(tmp_path, "checkpoint.every_n_steps=0", f"output_dir={run}", "resume=true")
+    assert_continues_exactly(tmp_path / "A", run, after=step)
+
+
+def test_two_runs_started_together_get_two_directories(tmp_path):
+    same = [
+        "name=twin",
+        "hydra.run.dir=outputs/twin/same",
+        "trainer.max_steps=2",
+        "checkpoint.every_n_steps=0",
+    ]
+    procs = [start(tmp_path, *same) for _ in range(2)]
+    for p in procs:
+        err, _ = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-3000:]
+    dirs = sorted(d.name for d in (tmp_path / "outputs" / "twin").iterdir() if (d / "metrics.csv").exists())
+    assert dirs == ["same", "same_1"]
+    for d in dirs:
+        steps = [k for k in rows(tmp_path / "outputs" / "twin" / d) if " " not in k]
+        assert steps == ["1", "2"]  # each step once: no interleaving
+
+
+def test_resume_true_never_picks_a_sibling_run_with_another_config(tmp_path):
+    base = ["name=exp", "trainer.max_steps=2", "checkpoint.every_n_steps=2"]
+    train(tmp_path, *base, "hydra.run.dir=outputs/exp/mine")
+    train(tmp_path, *base, "algo=cispo", "hydra.run.dir=outputs/exp/sibling")  # newer, other algo
+    log = train(tmp_path, *base, "trainer.max_steps=3", "resume=true")
+    assert f"resuming from {tmp_path / 'outputs' / 'exp' / 'mine' / 'checkpoints' / 'last.ckpt'}" in log
+    assert [k for k in rows(tmp_path / "outputs" / "exp" / "mine") if " " not in k] == ["1", "2", "3"]
+    out = train(tmp_path, *base, "algo.lr=0.5", "resume=true", rc=1)
+    assert "error: invalid config: resume=True" in out and "algo.lr" in out
+    out = train(
+        tmp_path,
+        *base,
+        "algo.lr=0.5",
+        f"output_dir={tmp_path / 'outputs' / 'exp' / 'mine'}",
+        "resume=true",
+        rc=1,
+    )
+    assert "differs in: algo.lr: " in out and " -> 0.5" in out and "resume_force=true" in out
+
+
+def test_checkpoints_and_adapters_are_bounded(tmp_path):
+    run = tmp_path / "run"
+    train(
+        tmp_path,
+        "trainer.max_steps=5",
+        "checkpoint.every_n_steps=1",
+        "checkpoint.keep_last=2",
+        f"output_dir={run}",
+    )
+    ckpts = sorted(p.name for p in (run / "checkpoints").glob("*.ckpt"))
+    assert ckpts == ["best.ckpt", "last.ckpt", "step_000004.ckpt", "step_000005.ckpt"]
+    adapters = sorted(p.name for p in (run / "checkpoints" / "adapters").iterdir())
+    assert adapters == ["last", "step_000004", "step_000005"]
+
+
+def test_a_collapsing_run_is_stopped_by_the_guard_within_20_steps(tmp_path):
+    run = tmp_path / "run"
+    out = train(
+        tmp_path,
+        "algo.lr=0.1",
+        "trainer.max_steps=50",
+        "algo.prompts_per_step=8",
+        "checkpoint.every_n_steps=0",
+        "guard.stop_on_collapse=true",
+        f"output_dir={run}",
+        rc=1,
+    )
+    assert "run stopped by the guard" in out and "collapse:" in out
+    step = ckpt_step(run / "checkpoints" / "last.ckpt")
+    assert step <= 20
