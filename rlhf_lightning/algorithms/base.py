@@ -21,6 +21,7 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler
 
 from rlhf_lightning.algorithms.common import MetricAccumulator, Metrics, adamw_with_schedule
+from rlhf_lightning.algorithms.diagnostics import turn_metrics
 from rlhf_lightning.algorithms.distributed import agree_max
 from rlhf_lightning.algorithms.evaluation import RolloutEvaluation
 from rlhf_lightning.algorithms.liger_path import LigerObjective, use_liger
@@ -418,6 +419,7 @@ class RolloutModule(RolloutEvaluation):
             # at most one token (an eos): what a collapsed policy produces
             "rollout/empty_frac": (traj.action_mask.sum(-1) <= 1).float().mean(),
         }
+        out.update(turn_metrics(traj.turn_lengths, traj.rewards, traj.truncated))
         out.update({k: torch.tensor(v) for k, v in result.metrics.items()})
         return {k: v.detach().float().cpu() for k, v in out.items()}
 

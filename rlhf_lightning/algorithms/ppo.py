@@ -12,6 +12,7 @@ from rlhf_lightning.algorithms.base import RolloutModule
 from rlhf_lightning.algorithms.checks import validate_ppo
 from rlhf_lightning.algorithms.common import Metrics, adamw_with_schedule
 from rlhf_lightning.algorithms.critic import explained_variance, reduce_to_steps, step_index, step_rewards
+from rlhf_lightning.algorithms.diagnostics import per_turn_means
 from rlhf_lightning.algorithms.distributed import clip_by_norm, gather_rows, grad_norm
 from rlhf_lightning.algorithms.objective import CriticTerm, PolicyObjective, PolicyTerm
 from rlhf_lightning.algorithms.spec import AlgorithmSpec, register_algorithm
@@ -67,6 +68,9 @@ class PPOModule(RolloutModule):
             "critic/explained_variance": explained_variance(old_step_v, step_returns, step_mask),
             "critic/value_mean": old_step_v[step_mask].mean(),
         }
+        if self.levels == "turn":  # where credit goes across turns (before whitening)
+            self.rollout_extra.update(per_turn_means(old_step_v, step_mask, "critic/value_turn"))
+            self.rollout_extra.update(per_turn_means(adv, step_mask, "critic/adv_turn"))
         if hp.whiten_advantages:  # over every rank's steps
             steps_all, offset = gather_rows(adv[step_mask], self.world_size, self.rank)
             white = postprocess_advantages(steps_all, whiten=True)

@@ -61,6 +61,10 @@ def test_ppo_multi_turn_guess_number_runs(tmp_path):
     for key in ("critic/value_loss", "critic/explained_variance", "critic/value_mean", "actor/clipfrac"):
         assert key in m, key
     assert module.levels == "turn"
+    # turn-level diagnostics: one value/advantage/reward mean per turn reached
+    turns = [k for k in ("critic/value_turn_0", "critic/adv_turn_0", "rollout/reward_turn_0") if k in m]
+    assert len(turns) == 3 and "rollout/env_ended_frac" in m
+    assert ("critic/value_turn_1" in m) == (float(m["rollout/num_turns"]) > 1)
 
 
 def test_ppo_exports_actor_and_critic_adapters(tmp_path):
