@@ -71,9 +71,9 @@ def output_dir_for(cfg: DictConfig) -> Path:
         return Path("outputs") / cfg.name / time.strftime("%Y-%m-%d_%H-%M-%S")
 
 
-def checkpoint_step(path: str) -> int:
+def checkpoint_step(path: str | Path) -> int:
     """The optimizer steps done in a Lightning checkpoint (its ``global_step``)."""
-    return int(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["global_step"])
+    return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["global_step"])
 
 
 def prepare_run_dir(cfg: DictConfig) -> tuple[Path, str | None]:

@@ -36,7 +36,7 @@ from rlhf_lightning.algorithms.evaluation import episode_success
 from rlhf_lightning.config import ASSETS, register_configs
 from rlhf_lightning.envs.factory import env_factory
 from rlhf_lightning.envs.harness import ChatFormatter, RolloutHarness
-from rlhf_lightning.models.tiny import build_tiny_model, build_tokenizer
+from rlhf_lightning.models.tiny import build_tokenizer, save_untrained
 from rlhf_lightning.rollout.engine import RolloutEngine, SamplingParams
 from rlhf_lightning.run import run
 
@@ -132,15 +132,8 @@ def main() -> None:
         bootstrap = build_tokenizer(["x"], vocab_size=300)  # only to render the chat template
         corpus = [bootstrap.apply_chat_template(r["messages"], tokenize=False) for r in train[:8000]]
         tokenizer = build_tokenizer(corpus, vocab_size=args.vocab_size)
-        model = build_tiny_model(
-            len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id
-        )
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
-        model.generation_config.eos_token_id = tokenizer.eos_token_id
         base = work / "base"
-        model.save_pretrained(base)
-        tokenizer.save_pretrained(base)
-        print(f"vocab {len(tokenizer)}, parameters {sum(p.numel() for p in model.parameters()):,}")
+        save_untrained(tokenizer, base)
         print(f"data success: {success_rates(train)}")
         # 3. SFT with algo=sft; the envs are played by the callback, not the module.
         cfg = compose_config(

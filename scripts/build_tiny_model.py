@@ -26,7 +26,7 @@ from hydra import compose, initialize_config_dir
 
 from rlhf_lightning.config import register_configs
 from rlhf_lightning.envs.arithmetic import make_problem
-from rlhf_lightning.models.tiny import TINY_MODEL_DIR, build_tiny_model, build_tokenizer
+from rlhf_lightning.models.tiny import TINY_MODEL_DIR, build_tokenizer, save_untrained
 from rlhf_lightning.run import run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -77,15 +77,8 @@ def main() -> None:
             )
         tokenizer = build_tokenizer(corpus, vocab_size=512)
         # 2. The random model, saved like any local model.
-        model = build_tiny_model(
-            len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id
-        )
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
-        model.generation_config.eos_token_id = tokenizer.eos_token_id
         base = work / "base"
-        model.save_pretrained(base)
-        tokenizer.save_pretrained(base)
-        print(f"vocab {len(tokenizer)}, parameters {sum(p.numel() for p in model.parameters()):,}")
+        save_untrained(tokenizer, base)
         # 3. SFT with algo=sft until the sampled accuracy is partial.
         write_jsonl(work / "train.jsonl", args.seed, range(args.train_rows))
         write_jsonl(work / "eval.jsonl", args.seed + 1, range(200))

@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
+from rlhf_lightning.run import checkpoint_step
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
@@ -79,10 +79,6 @@ def rows(run: Path) -> dict[str, dict[str, str]]:
     return out
 
 
-def ckpt_step(path: Path) -> int:
-    return int(torch.load(path, map_location="cpu", weights_only=True)["global_step"])
-
-
 def assert_continues_exactly(reference: Path, resumed: Path, after: int) -> None:
     ref = {k: v for k, v in rows(reference).items() if int(k.split()[0]) > after}
     got = {k: v for k, v in rows(resumed).items() if int(k.split()[0]) > after}
@@ -102,7 +98,9 @@ def test_sigkill_then_resume_continues_exactly(tmp_path, algo):
     wait_for(killed / "checkpoints" / "step_000004.ckpt", proc)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    step = ckpt_step(killed / "checkpoints" / "last.ckpt")  # 4, or 2 if killed before last.ckpt followed
+    step = checkpoint_step(
+        killed / "checkpoints" / "last.ckpt"
+    )  # 4, or 2 if killed before last.ckpt followed
     assert step >= 2
     train(tmp_path, *overrides, f"output_dir={killed}", "resume=true")
     assert_continues_exactly(tmp_path / "A", killed, after=step)
@@ -121,7 +119,7 @@ def test_sigterm_saves_the_step_exits_nonzero_and_resumes_exactly(tmp_path):
     err, _ = proc.communicate(timeout=300)
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert "stopped by SIGTERM after step" in err
-    step = ckpt_step(run / "checkpoints" / "last.ckpt")
+    step = checkpoint_step(run / "checkpoints" / "last.ckpt")
     assert 3 <= step < 8  # the step the signal arrived in, not the end
     train(tmp_path, "checkpoint.every_n_steps=0", f"output_dir={run}", "resume=true")
     assert_continues_exactly(tmp_path / "A", run, after=step)
@@ -193,5 +191,5 @@ def test_a_collapsing_run_is_stopped_by_the_guard_within_20_steps(tmp_path):
         rc=1,
     )
     assert "run stopped by the guard" in out and "collapse:" in out
-    step = ckpt_step(run / "checkpoints" / "last.ckpt")
+    step = checkpoint_step(run / "checkpoints" / "last.ckpt")
     assert step <= 20

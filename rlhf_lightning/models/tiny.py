@@ -7,6 +7,7 @@ build the warm-started checkpoint shipped in ``rlhf_lightning/assets/tiny_arithm
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -79,3 +80,17 @@ def build_tiny_model(
         bos_token_id=None,
     )
     return Qwen2ForCausalLM(config)
+
+
+def save_untrained(tokenizer: PreTrainedTokenizerFast, directory: Path) -> Qwen2ForCausalLM:
+    """A random tiny model sized to ``tokenizer`` (its pad and eos ids set for generation too),
+    saved with the tokenizer in ``directory`` like any local model, ready for SFT."""
+    model = build_tiny_model(
+        len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id
+    )
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    print(f"vocab {len(tokenizer)}, parameters {sum(p.numel() for p in model.parameters()):,}")
+    return model
