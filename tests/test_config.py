@@ -48,6 +48,35 @@ def test_default_model_is_the_embedded_checkpoint(tiny_path):
     )
 
 
+TUNED = sorted((p.parent.name, p.stem) for p in (CONF / "tuned").glob("*/*.yaml"))
+
+
+@pytest.mark.parametrize(("model", "algo"), TUNED)
+def test_every_tuned_config_composes_for_its_model_and_algo(model, algo):
+    """conf/tuned/<model>/<algo>.yaml applies exactly when both are chosen."""
+    assert (CONF / "algo" / f"{algo}.yaml").is_file() and (CONF / "model" / f"{model}.yaml").is_file()
+    cfg = compose_config([f"model={model}", f"algo={algo}"], output_dir=Path("/tmp/unused"))
+    validate(cfg)
+    assert cfg.algo.name == algo and cfg.model.name == model
+
+
+def test_the_tiny_models_settings_do_not_leak_into_real_models():
+    """The embedded models' measured settings live in conf/tuned/; a real model gets the
+    algorithm's own defaults, and the command line still wins over both."""
+    tiny, real = compose_config(), compose_config(["model=qwen0.5b"])
+    assert (tiny.algo.lr, tiny.algo.prompts_per_step, tiny.trainer.max_steps) == (1e-3, 16, 900)
+    assert (real.algo.lr, real.algo.prompts_per_step, real.trainer.max_steps) == (1e-5, 32, 600)
+    assert compose_config(["algo.lr=3e-4"]).algo.lr == 3e-4
+    ppo = compose_config(["algo=ppo", "model=qwen0.5b"])
+    assert (ppo.algo.lr, ppo.algo.lr_critic) == (1e-5, None)
+    assert (
+        compose_config(["algo=sft"]).algo.lr == 1e-3
+        and compose_config(["algo=sft", "model=qwen0.5b"]).algo.lr == 1e-4
+    )
+    chat = compose_config(["experiment=guess_number", "algo=ppo"])
+    assert (chat.algo.lr, chat.algo.lr_critic, chat.algo.prompts_per_step) == (2e-3, 2e-3, 8)
+
+
 def test_cispo_is_the_grpo_module_with_the_cispo_loss():
     cfg = compose_config(["algo=cispo"])
     assert (cfg.algo.module, cfg.algo.loss, cfg.algo.clip_low, cfg.algo.clip_high) == (
