@@ -82,33 +82,39 @@ def step_rewards(
     steps: int,
     granularity: str,
     extra: torch.Tensor | None = None,
+    turn_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Rewards per step: per-turn rewards as they are (turn), or each turn's reward on its last
-    token (token). ``extra`` (B,), e.g. a length penalty or KL, is added to the last step.
+    """Rewards per step: per-turn rewards as they are (turn), or each turn's reward on that
+    turn's last action token (token; multi-turn rewards need ``turn_ids``). ``extra`` (B,),
+    e.g. a length penalty or KL, is added to the last step.
 
     Args:
         turn_rewards: Shape: (B, K)
         idx: Shape: (B, T)
+        turn_ids: Shape: (B, T)
 
     Returns:
         Shape: (B, S)
     """
-    b = turn_rewards.shape[0]
+    b, k_turns = turn_rewards.shape
+    rows = torch.arange(b, device=turn_rewards.device)
     out = torch.zeros(b, steps, dtype=turn_rewards.dtype, device=turn_rewards.device)
     n_steps = (idx.max(-1).values + 1).clamp(min=0)  # (B,)
     if granularity == "turn":
-        k = min(steps, turn_rewards.shape[1])
+        k = min(steps, k_turns)
         out[:, :k] = turn_rewards[:, :k]
+    elif turn_ids is not None:
+        valid = idx >= 0
+        cell = (rows[:, None] * k_turns + turn_ids.clamp(0, k_turns - 1))[valid]
+        last = torch.full((b * k_turns,), -1, dtype=idx.dtype, device=idx.device)
+        last = last.scatter_reduce(0, cell, idx[valid], "amax").view(b, k_turns)  # turn's last step
+        has = last >= 0
+        out.view(-1).index_add_(0, (rows[:, None] * steps + last.clamp(min=0))[has], turn_rewards[has])
     else:
-        raise_if = turn_rewards.shape[1] > 1 and bool((turn_rewards[:, 1:] != 0).any())
-        if raise_if:
-            raise ValueError(
-                "token-level advantages need single-turn episodes; use advantage_granularity=turn"
-            )
-        rows = torch.arange(b, device=out.device)
+        if k_turns > 1 and bool((turn_rewards[:, 1:] != 0).any()):
+            raise ValueError("token-level rewards of several turns need the turn ids")
         out[rows, (n_steps - 1).clamp(min=0)] = turn_rewards[:, 0]
     if extra is not None:
-        rows = torch.arange(b, device=out.device)
         out[rows, (n_steps - 1).clamp(min=0)] += extra.to(out.dtype)
     return out * (torch.arange(steps, device=out.device)[None, :] < n_steps[:, None])
 

@@ -28,7 +28,8 @@ class PPOModule(RolloutModule):
     Each generated turn is one action: a turn's state value is the critic's value before its
     first token (``turn_value_reduction=state``), GAE discounts across turns (``gamma``,
     ``gae_lambda``) and each turn's advantage applies to all its tokens. Single-turn episodes
-    can use token-level GAE instead (``advantage_granularity``). An episode that reached no
+    can use token-level GAE instead (``advantage_granularity``; on multi-turn episodes each
+    turn's reward then lands on its last token and GAE runs over the action tokens of all turns). An episode that reached no
     terminal state (a reply cut at ``max_new_tokens``, or ``max_turns`` / ``max_model_len``)
     bootstraps from the critic's value where it stopped. The clipped surrogate's ratio is per
     token, per turn or per trajectory (``importance_sampling_level``). The first
@@ -55,7 +56,9 @@ class PPOModule(RolloutModule):
         steps_idx, steps = step_index(traj.action_mask, traj.turn_ids, self.levels)
         old_values, boot = self.values_and_bootstrap(traj)  # (B, T), (B,); no gradient
         old_step_v = reduce_to_steps(old_values, steps_idx, steps, hp.turn_value_reduction)
-        step_r = step_rewards(rewards, steps_idx, steps, self.levels, extra=returns - rewards.sum(-1))
+        step_r = step_rewards(
+            rewards, steps_idx, steps, self.levels, extra=returns - rewards.sum(-1), turn_ids=traj.turn_ids
+        )
         step_mask = torch.arange(steps, device=self.device)[None, :] < (steps_idx.max(-1).values + 1)[:, None]
         lam = 1.0 if self.warming_up else hp.gae_lambda
         bootstrap = boot * traj.truncated.to(boot.dtype)  # terminal states are worth 0

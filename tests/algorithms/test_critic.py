@@ -40,6 +40,17 @@ def test_step_rewards_turn_and_token():
     assert got.tolist() == [[0.0, 0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 3.0, 0.0, 0.0]]
 
 
+def test_token_step_rewards_of_several_turns():
+    """Each turn's reward lands on that turn's last action token: row 0's turn 0 ends at its
+    step 1 and turn 1 at step 4; ``extra`` goes to the last step."""
+    rewards = torch.tensor([[0.5, 1.0], [2.0, 0.0]])
+    idx, s = step_index(ACTION, TURNS, "token")
+    got = step_rewards(rewards, idx, s, "token", extra=torch.tensor([0.25, 0.0]), turn_ids=TURNS)
+    assert got.tolist() == [[0.0, 0.5, 0.0, 0.0, 1.25], [0.0, 0.0, 2.0, 0.0, 0.0]]
+    with pytest.raises(ValueError, match="need the turn ids"):
+        step_rewards(rewards, idx, s, "token")
+
+
 def test_explained_variance():
     r = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
     m = torch.ones_like(r, dtype=torch.bool)

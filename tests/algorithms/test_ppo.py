@@ -67,6 +67,29 @@ def test_ppo_multi_turn_guess_number_runs(tmp_path):
     assert ("critic/value_turn_1" in m) == (float(m["rollout/num_turns"]) > 1)
 
 
+def test_ppo_token_level_gae_runs_on_multi_turn_episodes(tmp_path):
+    """advantage_granularity=token on multi-turn episodes: one GAE over the action tokens of all
+    turns, each turn's reward on its last token (the turn-level ablation's other arm)."""
+    overrides = [o for o in FAST if not o.startswith("env.kwargs")]
+    cfg = compose_config(
+        [
+            *overrides,
+            "experiment=guess_number",
+            "algo=ppo",
+            "algo.advantage_granularity=token",
+            "algo.prompts_per_step=4",
+            "algo.group_size=4",
+            "algo.critic_warmup_steps=0",
+        ],
+        output_dir=tmp_path / "run",
+    )
+    module, trainer = fit_steps(cfg, tmp_path, steps=2)
+    m = trainer.callback_metrics
+    assert module.levels == "token" and float(m["rollout/num_turns"]) >= 2
+    assert torch.isfinite(m["critic/value_loss"]) and torch.isfinite(m["actor/loss"])
+    assert "critic/value_turn_0" not in m  # per-turn values are a turn-level diagnostic
+
+
 def test_ppo_exports_actor_and_critic_adapters(tmp_path):
     cfg = ppo_cfg(tmp_path, "algo.critic_warmup_steps=0", "checkpoint.every_n_steps=2", "trainer.max_steps=2")
     result = run(cfg)
