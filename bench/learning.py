@@ -4,8 +4,12 @@
     .venv/bin/python bench/learning.py --algos grpo --seeds 0 1 2 --args trainer.max_steps=400
 
 Prints one markdown table: eval accuracy (sampled at the training temperature, and greedy)
-before the first update and at the end, the gain, the wall time of the whole run, and for
-actor-critic runs the critic's explained variance (mean over the last 50 training steps).
+before the first update and at the end, the gain, the wall time of the whole run, turns per
+episode (mean over the first and the last 50 training steps) and, for actor-critic runs, the
+critic's explained variance (mean over the last 50 training steps). ``--plot`` also draws eval
+accuracy against training steps for every run into one PNG.
+
+    .venv/bin/python bench/learning.py --algos grpo ppo --args experiment=tool_calc --plot tool_calc.png
 """
 
 from __future__ import annotations
@@ -33,11 +37,33 @@ def evals(run_dir: Path) -> list[dict[str, float]]:
     ]
 
 
-def last_mean(run_dir: Path, key: str, n: int = 50) -> float | None:
-    """Mean of the last ``n`` logged values of ``key`` (None when it was never logged)."""
+def window_mean(run_dir: Path, key: str, n: int = 50, first: bool = False) -> float | None:
+    """Mean of the last (or first) ``n`` logged values of ``key`` (None when never logged)."""
     with (run_dir / "metrics.csv").open() as f:
         values = [float(r[key]) for r in csv.DictReader(f) if r.get(key)]
-    return sum(values[-n:]) / len(values[-n:]) if values else None
+    window = values[:n] if first else values[-n:]
+    return sum(window) / len(window) if window else None
+
+
+def plot(curves: dict[str, list[dict[str, float]]], path: Path, title: str) -> None:
+    """Eval accuracy (sampled: solid, greedy: dashed) against training steps, one colour per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for i, (name, ev) in enumerate(curves.items()):
+        steps = [e["step"] for e in ev]
+        ax.plot(steps, [e["sampled"] for e in ev], color=f"C{i}", marker="o", ms=3, label=f"{name} sampled")
+        ax.plot(steps, [e["greedy"] for e in ev], color=f"C{i}", ls="--", alpha=0.7, label=f"{name} greedy")
+    ax.set(xlabel="training step", ylabel="held-out success", title=title, ylim=(0, 1))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main() -> None:
@@ -46,12 +72,15 @@ def main() -> None:
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])
     ap.add_argument("--args", nargs="*", default=[], help="extra overrides for every run")
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench_learning")
+    ap.add_argument("--plot", type=Path, default=None, help="write eval-vs-steps curves to this PNG")
+    ap.add_argument("--title", default="held-out success during training")
     a = ap.parse_args()
     print(
         "| algo | seed | sampled before | sampled after | gain | greedy before | greedy after | wall s "
-        "| critic EV |"
+        "| turns first / last | critic EV |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    curves: dict[str, list[dict[str, float]]] = {}
     for algo in a.algos:
         for seed in a.seeds:
             out = a.out / f"{algo}_seed{seed}"
@@ -72,13 +101,19 @@ def main() -> None:
                 raise SystemExit(f"{algo} seed {seed} failed")
             ev = evals(out)
             first, last = ev[0], ev[-1]
-            ev_critic = last_mean(out, "critic/explained_variance")
+            curves[f"{algo} seed {seed}"] = ev
+            ev_critic = window_mean(out, "critic/explained_variance")
+            turns = (window_mean(out, "rollout/num_turns", first=True), window_mean(out, "rollout/num_turns"))
             print(
                 f"| {algo} | {seed} | {first['sampled']:.3f} | {last['sampled']:.3f} | {last['sampled'] - first['sampled']:+.3f} "
                 f"| {first['greedy']:.3f} | {last['greedy']:.3f} | {wall:.0f} "
+                f"| {turns[0] or 0:.2f} / {turns[1] or 0:.2f} "
                 f"| {'-' if ev_critic is None else f'{ev_critic:.3f}'} |",
                 flush=True,
             )
+    if a.plot is not None:
+        plot(curves, a.plot, a.title)
+        print(f"\nplot: {a.plot}")
 
 
 if __name__ == "__main__":
