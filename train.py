@@ -20,7 +20,7 @@ def main(cfg: DictConfig) -> float | None:
         raise SystemExit(f"error: {err}") from None
     if result.exit_code:  # stopped by a signal (128 + its number) or by the guard (1), checkpoint saved
         raise SystemExit(result.exit_code)
-    return result.metrics.get("eval/accuracy_sampled")  # the value an Optuna sweeper would optimise
+    return result.objective  # optimized_metric's final (or best) value: what a sweeper optimises
 
 
 if __name__ == "__main__":

@@ -242,8 +242,10 @@ class LoggerConfig:
     name: str = "csv"  # csv | tensorboard | wandb
     project: str = "rlhf_lightning"
     entity: str | None = None
-    group: str | None = None
-    tags: list[str] = field(default_factory=list)
+    group: str | None = None  # wandb: default the run's name (its experiment), per sweep in a multirun
+    tags: list[str] | None = None  # wandb: default [algo, model, env]
+    job_type: str | None = None  # wandb: default train, or sweep in a multirun
+    log_model: bool = False  # wandb: upload checkpoints (Lightning's log_model) and the final adapters
     mode: str | None = None  # wandb: online | offline | disabled (default: WANDB_MODE or online)
     flush_every_n_steps: int = 10  # metrics.csv reaches the disk at least this often
 
@@ -263,6 +265,7 @@ class TrainerConfig:
     log_every_n_steps: int = 1
     num_sanity_val_steps: int = 0
     enable_progress_bar: bool = True
+    enable_model_summary: bool = False  # Lightning's layer table (one Policy row here); true shows it
     limit_val_batches: Any = None
     deterministic: Any = False
     benchmark: bool | None = None
@@ -327,6 +330,12 @@ class Config:
     # resume this run: output_dir's last checkpoint, or the newest outputs/<name>/* run with the same config
     resume: bool = False
     resume_force: bool = False  # resume although the config differs from the checkpoint run's
+    # What train.py returns (to a Hydra sweeper such as Optuna): any metric the run logs, its final
+    # value or its best over the run (best by optimized_direction: maximize | minimize). null:
+    # nothing (hparams_search=optuna sets eval/accuracy_sampled); a name is checked early.
+    optimized_metric: str | None = None
+    optimized_mode: str = "final"  # final | best
+    optimized_direction: str = "maximize"
 
 
 def register_configs() -> None:

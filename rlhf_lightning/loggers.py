@@ -71,12 +71,49 @@ def build_loggers(
         from lightning.pytorch.loggers import WandbLogger
     except ImportError as err:
         raise ImportError("logger=wandb needs wandb: pip install 'rlhf_lightning[wandb]'") from err
+    sweep = hydra_job()
     kwargs: dict[str, Any] = {
         "project": lg.project,
         "entity": lg.entity,
-        "group": lg.group,
-        "tags": list(lg.tags),
+        "group": lg.group or (f"{cfg.name}-{sweep['sweep_dir_name']}" if sweep.get("multirun") else cfg.name),
+        "tags": list(lg.tags) if lg.tags is not None else default_tags(cfg),
+        "job_type": lg.job_type or ("sweep" if sweep.get("multirun") else "train"),
+        "log_model": "all" if lg.log_model else False,
     }
     if lg.mode:
         kwargs["mode"] = lg.mode
     return [WandbLogger(name=run_name, save_dir=str(output_dir), **kwargs), csv]
+
+
+def default_tags(cfg: DictConfig) -> list[str]:
+    """``[algo, model, env]``: the env as its class name without ``Env`` (``ArithmeticEnv`` -> ``arithmetic``)."""
+    env = str(cfg.env._target_).rsplit(".", 1)[-1].removesuffix("Env").lower()
+    return [str(cfg.algo.name), str(cfg.model.name), env]
+
+
+def hydra_job() -> dict[str, Any]:
+    """What Hydra knows of this job (empty outside ``@hydra.main``): the command-line overrides,
+    whether it is a multirun job, its number and its sweep directory's name."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        hc = HydraConfig.get()
+    except ValueError:
+        return {}
+    multirun = hc.mode == RunMode.MULTIRUN
+    return {
+        "overrides": list(hc.overrides.task),
+        "multirun": multirun,
+        "job_num": int(hc.job.num) if multirun else None,
+        "sweep_dir_name": Path(hc.sweep.dir).name if multirun else None,
+    }
+
+
+def wandb_location(loggers: list[Any]) -> str | None:
+    """The W&B run's URL (online) or its local directory (offline), when one of ``loggers`` is W&B."""
+    for lg in loggers:
+        if type(lg).__name__ == "WandbLogger":
+            run = lg.experiment
+            return getattr(run, "url", None) or str(Path(run.dir).parent)
+    return None

@@ -12,20 +12,22 @@ from typing import Any, cast
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
 from rlhf_lightning.algorithms.spec import get_algorithm
 from rlhf_lightning.callbacks import AdapterExport, SameConfigOnAllRanks, SampleTable, config_digest
 from rlhf_lightning.callbacks.checkpoints import BestCheckpoint, KeepLast
 from rlhf_lightning.callbacks.guard import Guard
+from rlhf_lightning.callbacks.objective import CheckOptimizedMetric, optimized_value
+from rlhf_lightning.callbacks.progress import StepProgressBar
 from rlhf_lightning.callbacks.signals import StopOnSignal
 from rlhf_lightning.config import register_configs
 from rlhf_lightning.data.offline import OfflineDataModule
 from rlhf_lightning.data.prompts import PromptDataModule
 from rlhf_lightning.envs.factory import env_factory, split_sizes
 from rlhf_lightning.envs.harness import ChatFormatter, RolloutHarness
-from rlhf_lightning.loggers import build_loggers
+from rlhf_lightning.loggers import build_loggers, hydra_job, wandb_location
 from rlhf_lightning.models.build import build_policy, load_model, load_tokenizer
 from rlhf_lightning.rollout.callback import RolloutEngineCallback
 from rlhf_lightning.rollout.engine import SamplingParams
@@ -44,6 +46,7 @@ from rlhf_lightning.strategies import (
     pass_output_dir_to_other_ranks,
     single_job_argv,
 )
+from rlhf_lightning.summary import summary_lines, write_plot
 from rlhf_lightning.validation import check, check_checkpoint, validate
 
 log = logging.getLogger(__name__)
@@ -60,6 +63,22 @@ for _pattern, _category in (
     warnings.filterwarnings("ignore", message=_pattern, category=_category)
 
 
+class _NoTips(logging.Filter):
+    """Drop Lightning's product tips ("💡 Tip: ... try installing litlogger") and its TPU/HPU lines
+    from the console (the GPU line stays)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(("💡 Tip", "TPU available", "HPU available"))
+
+
+for _name in (
+    "lightning.pytorch.utilities.rank_zero",
+    "lightning.fabric.utilities.rank_zero",
+    "lightning_utilities.core.rank_zero",
+):
+    logging.getLogger(_name).addFilter(_NoTips())
+
+
 def output_dir_for(cfg: DictConfig) -> Path:
     if cfg.output_dir:
         return Path(cfg.output_dir)
@@ -69,6 +88,17 @@ def output_dir_for(cfg: DictConfig) -> Path:
         return Path(HydraConfig.get().runtime.output_dir)
     except ValueError:  # not under @hydra.main (e.g. the Python API)
         return Path("outputs") / cfg.name / time.strftime("%Y-%m-%d_%H-%M-%S")
+
+
+def in_multirun() -> bool:
+    """Whether this process is a job of a Hydra multirun (``-m``)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        return HydraConfig.get().mode == RunMode.MULTIRUN
+    except ValueError:  # not under @hydra.main
+        return False
 
 
 def checkpoint_step(path: str | Path) -> int:
@@ -85,7 +115,10 @@ def prepare_run_dir(cfg: DictConfig) -> tuple[Path, str | None]:
     ckpt = cfg.ckpt_path
     if cfg.resume and not ckpt:
         if not explicit:
-            out, explicit = find_resumable(out.parent, cfg, exclude=out), True
+            # A multirun job (outputs/<name>/multirun/<time>/<job>) resumes the newest job of the
+            # same config in any earlier sweep of this name; a single run, its newest sibling.
+            root, pattern = (out.parent.parent, "*/*") if in_multirun() else (out.parent, "*")
+            out, explicit = find_resumable(root, cfg, exclude=out, pattern=pattern), True
         last = out / "checkpoints" / "last.ckpt"
         check(last.is_file(), "resume", True, f"a checkpoint at {last} (output_dir names the run to resume)")
         check_checkpoint("resume", str(last))
@@ -246,6 +279,32 @@ class RunResult:
     trainer: L.Trainer
     output_dir: Path
     exit_code: int = 0  # 128 + signal number: stopped by a signal; 1: stopped by the guard
+    objective: float | None = None  # optimized_metric's final or best value (rank 0; None if unset)
+
+
+def show_result(output_dir: Path, trainer: L.Trainer, exit_code: int, wall_s: float) -> None:
+    """``plots.png`` in the run directory (and to TensorBoard/W&B), then the summary table as the
+    last lines on the console and in ``train.log``."""
+    for lg in trainer.loggers:
+        lg.save()  # metrics.csv complete on disk before it is read back
+    write_plot(output_dir, trainer.loggers, trainer.global_step)
+    head = "run finished" if not exit_code else f"run stopped (exit code {exit_code})"
+    lines = summary_lines(output_dir, wall_s, trainer.global_step)
+    where = wandb_location(trainer.loggers)
+    if where:
+        lines.append(f"{'wandb':<10} {where}")
+    log.info("%s: %s\n%s", head, output_dir, "\n".join(lines))
+
+
+def upload_adapters(loggers: Sequence[Any], adapters: Path) -> None:
+    """The final PEFT adapters as a W&B ``model`` artifact (``logger.log_model=true``)."""
+    for lg in loggers:
+        if type(lg).__name__ == "WandbLogger" and adapters.is_dir():
+            import wandb
+
+            artifact = wandb.Artifact(f"adapters-{lg.experiment.id}", type="model")
+            artifact.add_dir(str(adapters))
+            lg.experiment.log_artifact(artifact, aliases=["latest"])
 
 
 def run(cfg: DictConfig, extra_callbacks: Sequence[L.Callback] = ()) -> RunResult:
@@ -269,6 +328,7 @@ def _run(cfg: DictConfig, extra_callbacks: Sequence[L.Callback]) -> RunResult:
 def _fit(
     cfg: DictConfig, extra_callbacks: Sequence[L.Callback], output_dir: Path, ckpt_path: str | None
 ) -> RunResult:
+    started = time.perf_counter()
     resume_step = None
     if ckpt_path:
         log.info("resuming from %s", ckpt_path)
@@ -280,8 +340,12 @@ def _fit(
     module, dm = build(cfg, output_dir)
     run_name = f"{cfg.name}-{cfg.algo.name}-{output_dir.name}"
     loggers = build_loggers(cfg, output_dir, run_name, resume_step)
+    hparams = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))
+    job = hydra_job()  # the command line's overrides and the sweep job number, with the config
     for lg in loggers:
-        lg.log_hyperparams(cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True)))
+        lg.log_hyperparams({**hparams, "hydra": job} if job else hparams)
+    if process_rank() == 0 and (where := wandb_location(loggers)):
+        log.info("W&B run: %s", where)
     ckpt_dir = output_dir / "checkpoints"
     every = cfg.checkpoint.every_n_steps or None
     callbacks: list[L.Callback] = [
@@ -313,8 +377,10 @@ def _fit(
     if cfg.samples.every_n_steps > 0:
         callbacks.append(SampleTable(cfg.samples.every_n_steps, output_dir))
     if cfg.trainer.enable_progress_bar:
-        callbacks.append(RichProgressBar(leave=True))
+        callbacks.append(StepProgressBar(leave=True))
     callbacks.append(SameConfigOnAllRanks(config_digest(cfg)))
+    if cfg.optimized_metric:
+        callbacks.append(CheckOptimizedMetric(cfg.optimized_metric))
     engine_callback = RolloutEngineCallback(getattr(cfg.rollout, "offload_trainer_during_rollout", False))
     callbacks.append(engine_callback)
     callbacks.extend(extra_callbacks)
@@ -341,14 +407,17 @@ def _fit(
                 trainer.save_checkpoint(ckpt_dir / "last.ckpt", weights_only=False)
             if cfg.eval.at_end and module.last_eval_step != trainer.global_step:
                 trainer.validate(module, datamodule=dm, verbose=False)
+        if trainer.is_global_zero:  # before W&B is finished: the plot and adapters go there too
+            if cfg.logger.log_model:
+                upload_adapters(trainer.loggers, ckpt_dir / "adapters" / "last")
+            show_result(output_dir, trainer, exit_code, time.perf_counter() - started)
     finally:
         engine_callback.close(module)
         finish_wandb()
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    if trainer.is_global_zero and not exit_code:
-        log.info(
-            "run finished in %s: %s",
-            output_dir,
-            {k: round(v, 4) for k, v in metrics.items() if k.startswith("eval/")},
+    objective = None
+    if cfg.optimized_metric and trainer.is_global_zero and not exit_code:
+        objective = optimized_value(
+            output_dir, cfg.optimized_metric, cfg.optimized_mode, cfg.optimized_direction
         )
-    return RunResult(metrics, module, trainer, output_dir, exit_code)
+    return RunResult(metrics, module, trainer, output_dir, exit_code, objective)

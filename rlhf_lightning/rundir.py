@@ -34,6 +34,10 @@ SAFE_TO_CHANGE = (
     "trainer.max_steps",
     "trainer.max_epochs",
     "trainer.enable_progress_bar",
+    "trainer.enable_model_summary",
+    "optimized_metric",
+    "optimized_mode",
+    "optimized_direction",
     "checkpoint.",
     "logger.",
     "samples.",
@@ -158,10 +162,11 @@ def check_same_run(cfg: DictConfig, run_dir: Path, force: bool) -> None:
         )
 
 
-def find_resumable(root: Path, cfg: DictConfig, exclude: Path | None = None) -> Path:
-    """The newest run under ``root`` (``outputs/<name>``) with a last checkpoint and this config."""
+def find_resumable(root: Path, cfg: DictConfig, exclude: Path | None = None, pattern: str = "*") -> Path:
+    """The newest run ``root/<pattern>`` (``outputs/<name>/*``; a multirun's jobs:
+    ``outputs/<name>/multirun/*/*``) with a last checkpoint and this config."""
     runs = sorted(
-        (p.parent.parent for p in root.glob("*/checkpoints/last.ckpt")),
+        (p.parent.parent for p in root.glob(f"{pattern}/checkpoints/last.ckpt")),
         key=lambda d: (d / "checkpoints" / "last.ckpt").stat().st_mtime,
         reverse=True,
     )
@@ -177,6 +182,6 @@ def find_resumable(root: Path, cfg: DictConfig, exclude: Path | None = None) -> 
     raise ConfigError(
         "resume",
         True,
-        f"a run of this config with checkpoints/last.ckpt under {root}/*{why}; pass output_dir=<run dir> "
+        f"a run of this config with checkpoints/last.ckpt under {root}/{pattern}{why}; pass output_dir=<run dir> "
         "or ckpt_path=..., or drop resume",
     )

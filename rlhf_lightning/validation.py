@@ -373,6 +373,13 @@ def validate(cfg: DictConfig) -> None:
     check(cfg.logger.name in LOGGERS, "logger.name", cfg.logger.name, f"one of {', '.join(LOGGERS)}")
     validate_strategy(cfg)
     check(cfg.num_threads is None or cfg.num_threads > 0, "num_threads", cfg.num_threads, "> 0, or null")
+    check(cfg.optimized_mode in ("final", "best"), "optimized_mode", cfg.optimized_mode, "final or best")
+    check(
+        cfg.optimized_direction in ("maximize", "minimize"),
+        "optimized_direction",
+        cfg.optimized_direction,
+        "maximize or minimize",
+    )
     check(cfg.eval.batch_size > 0, "eval.batch_size", cfg.eval.batch_size, "> 0")
     check(cfg.checkpoint.every_n_steps >= 0, "checkpoint.every_n_steps", cfg.checkpoint.every_n_steps, ">= 0")
     if cfg.ckpt_path is not None:

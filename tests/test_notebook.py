@@ -21,3 +21,5 @@ def test_quickstart_notebook_executes(tmp_path, monkeypatch):
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]
     assert (ROOT / "outputs" / "quickstart" / "notebook" / "quickstart.png").is_file()
+    # the plot shows inline (an image output), not only as a file
+    assert any("image/png" in o.get("data", {}) for o in outputs if o.get("output_type") == "display_data")

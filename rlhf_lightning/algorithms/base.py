@@ -172,6 +172,7 @@ class RolloutModule(RolloutEvaluation):
             result, metrics = self.collect(batch.tolist())
             traj = result.batch.to(self.device)
             self.rollouts_done()
+            self.report_phase("log-probs and advantages")
             t_rollout = time.perf_counter() - t_start
             # 2. Log-probs the update needs, once, without gradients.
             old_logp = self.old_logprobs(traj)  # None: on-policy, the update's own log-probs (detached)
@@ -191,6 +192,15 @@ class RolloutModule(RolloutEvaluation):
         self.log("reward", metrics["rollout/reward_mean"], prog_bar=True, logger=False)
         self.warn_on_engine_gap(metrics)
         self.keep_samples(result)
+
+    def report_phase(self, text: str) -> None:
+        """Tell callbacks with an ``on_phase`` hook (the progress bar) where the step is."""
+        if self._trainer is None:
+            return
+        for cb in cast(list, getattr(self.trainer, "callbacks", [])):
+            hook = getattr(cb, "on_phase", None)
+            if hook is not None:
+                hook(self.trainer, self, text)
 
     def rollouts_done(self) -> None:
         """Rollouts are collected: callbacks may put the engine to sleep before training."""
@@ -328,11 +338,12 @@ class RolloutModule(RolloutEvaluation):
         # dynamic sampling runs empty mini-batches); micro-batch counts may differ freely.
         minis = agree_max(-(-n // mini), self.world_size, self.device)
         acc = MetricAccumulator()
-        for _ in range(self.hp.update_epochs):
+        for epoch in range(self.hp.update_epochs):
             order = torch.randperm(n, device=self.device) if n > mini else torch.arange(n, device=self.device)
             batches = list(order.split(mini))
             batches += [order[:0]] * (minis - len(batches))
-            for mb in batches:
+            for j, mb in enumerate(batches):
+                self.report_phase(f"update {epoch * minis + j + 1}/{self.hp.update_epochs * minis}")
                 # Normalisers of the whole mini-batch, global over ranks.
                 norm = self.normalisers(loss_mask[mb], mb)
                 run = mb[seq_adv[mb] != 0] if skip_zero else mb

@@ -68,8 +68,9 @@ class RolloutEvaluation(ModuleMixin):
             ensure_synced = getattr(self.engine, "ensure_synced", None)
             if ensure_synced is not None:
                 ensure_synced(self.policy, self.global_step)
+            progress = None if evaluation else getattr(self, "report_phase", None)
             return self.harness.rollout(
-                self.engine, rows, params, group_size=group_size, evaluation=evaluation
+                self.engine, rows, params, group_size=group_size, evaluation=evaluation, progress=progress
             )
 
     def on_validation_start(self) -> None:

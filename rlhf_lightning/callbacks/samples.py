@@ -43,9 +43,7 @@ class SampleTable(L.Callback):
             elif isinstance(logger, TensorBoardLogger):
                 logger.experiment.add_text("samples", text, step)
             elif isinstance(logger, WandbLogger):
-                import wandb
-
+                # Through the logger: the row carries trainer/global_step, and W&B's own step is
+                # left alone (an explicit older step would drop the table from the history).
                 rows = [[s["prompt"], s["completion"], s["reward"]] for s in samples]
-                logger.experiment.log(
-                    {"samples": wandb.Table(columns=["prompt", "completion", "reward"], data=rows)}, step=step
-                )
+                logger.log_table("samples", columns=["prompt", "completion", "reward"], data=rows, step=step)

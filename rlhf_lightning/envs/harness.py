@@ -175,8 +175,10 @@ class RolloutHarness:
         *,
         group_size: int = 1,
         evaluation: bool = False,
+        progress: Callable[[str], None] | None = None,
     ) -> RolloutResult:
         """``group_size`` episodes for each task row; trajectories are row-major (group-contiguous).
+        ``progress`` hears where the rollout is before each turn's generation (the progress bar).
 
         A row whose prompt leaves no room for ``params.max_new_tokens`` within ``max_model_len``
         is dropped (with its group) and counted, never cut.
@@ -233,6 +235,9 @@ class RolloutHarness:
         errors = 0
         live = list(range(len(trajs)))
         for turn in range(self.max_turns):
+            if progress is not None:
+                turns = f"turn {turn + 1}/{self.max_turns}, " if self.max_turns > 1 else ""
+                progress(f"rollout: {turns}{len(live)} episodes")
             completions = engine.generate([trajs[i].token_ids for i in live], replace(params, n=1))
             replies = self.tokenizer.batch_decode(
                 [c.token_ids for c in completions], skip_special_tokens=True

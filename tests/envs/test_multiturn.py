@@ -241,3 +241,24 @@ def test_reward_errors_raise_with_context_or_score_zero(tiny_tokenizer):
 def test_observation_text_without_chat_template(tiny_tokenizer):
     f = ChatFormatter(tiny_tokenizer, apply_chat_template=False)
     assert f.prompt_text("Guess.") == "Guess." and f.observation_text("Higher.") == "\nHigher.\n"
+
+
+def test_rollout_reports_each_turn_to_progress(tiny_tokenizer):
+    """``progress`` hears each turn before its generation, with the episodes still going."""
+    tok = tiny_tokenizer
+    engine = RandomEngine(tok, seed=1)
+    harness = RolloutHarness(lambda: GuessNumberEnv(max_turns=3), tok, ChatFormatter(tok), max_turns=3)
+    heard: list[str] = []
+    result = harness.rollout(
+        engine, [1, 2], SamplingParams(max_new_tokens=4), group_size=2, progress=heard.append
+    )
+    assert heard[0] == "rollout: turn 1/3, 4 episodes" and len(heard) == len(engine.log)
+    for k, (msg, call) in enumerate(zip(heard, engine.log)):
+        assert msg == f"rollout: turn {k + 1}/3, {len(call)} episodes"
+    assert len(result.trajectories) == 4
+    single = RolloutHarness(ArithmeticEnv, tok, ChatFormatter(tok), max_turns=1)
+    heard.clear()
+    single.rollout(
+        RandomEngine(tok), [0], SamplingParams(max_new_tokens=4), group_size=3, progress=heard.append
+    )
+    assert heard == ["rollout: 3 episodes"]
