@@ -15,32 +15,26 @@ accuracy against training steps for every run into one PNG.
 from __future__ import annotations
 
 import argparse
-import csv
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script from a checkout
+
+from rlhf_lightning.plot import Metrics, read_metrics  # noqa: E402
 
 
-def evals(run_dir: Path) -> list[dict[str, float]]:
-    rows = csv.DictReader((run_dir / "metrics.csv").open())
-    return [
-        {
-            "step": float(r["step"]),
-            "sampled": float(r["eval/accuracy_sampled"]),
-            "greedy": float(r["eval/accuracy_greedy"]),
-        }
-        for r in rows
-        if r.get("eval/accuracy_sampled")
-    ]
+def evals(metrics: Metrics) -> list[dict[str, float]]:
+    """The evaluations: step, sampled and greedy accuracy (logged in the same rows)."""
+    pairs = zip(metrics["eval/accuracy_sampled"], metrics["eval/accuracy_greedy"], strict=True)
+    return [{"step": s, "sampled": v, "greedy": g} for (s, v), (_, g) in pairs]
 
 
-def window_mean(run_dir: Path, key: str, n: int = 50, first: bool = False) -> float | None:
+def window_mean(metrics: Metrics, key: str, n: int = 50, first: bool = False) -> float | None:
     """Mean of the last (or first) ``n`` logged values of ``key`` (None when never logged)."""
-    with (run_dir / "metrics.csv").open() as f:
-        values = [float(r[key]) for r in csv.DictReader(f) if r.get(key)]
+    values = [v for _, v in metrics.get(key, [])]
     window = values[:n] if first else values[-n:]
     return sum(window) / len(window) if window else None
 
@@ -99,11 +93,15 @@ def main() -> None:
             if proc.returncode != 0:
                 print(proc.stderr[-3000:], file=sys.stderr)
                 raise SystemExit(f"{algo} seed {seed} failed")
-            ev = evals(out)
+            metrics = read_metrics(out)
+            ev = evals(metrics)
             first, last = ev[0], ev[-1]
             curves[f"{algo} seed {seed}"] = ev
-            ev_critic = window_mean(out, "critic/explained_variance")
-            turns = (window_mean(out, "rollout/num_turns", first=True), window_mean(out, "rollout/num_turns"))
+            ev_critic = window_mean(metrics, "critic/explained_variance")
+            turns = (
+                window_mean(metrics, "rollout/num_turns", first=True),
+                window_mean(metrics, "rollout/num_turns"),
+            )
             print(
                 f"| {algo} | {seed} | {first['sampled']:.3f} | {last['sampled']:.3f} | {last['sampled'] - first['sampled']:+.3f} "
                 f"| {first['greedy']:.3f} | {last['greedy']:.3f} | {wall:.0f} "

@@ -22,6 +22,7 @@ import yaml
 Metrics = dict[str, list[tuple[int, float]]]
 
 METRICS_FILE = "metrics.csv"
+PLOT_FILE = "plots.png"  # a run's own figure, in its directory
 CONFIG_FILE = "config.yaml"
 NOT_METRICS = ("step", "epoch")
 REWARD = "rollout/reward_mean"
@@ -179,7 +180,7 @@ def plot_runs(run_dirs: list[Path], out: Path, title: str | None = None, smooth:
 
 def default_out(run_dirs: list[Path]) -> Path:
     """``RUN_DIR/plots.png`` for one run, ``./compare.png`` for several."""
-    return Path(run_dirs[0]) / "plots.png" if len(run_dirs) == 1 else Path("compare.png")
+    return Path(run_dirs[0]) / PLOT_FILE if len(run_dirs) == 1 else Path("compare.png")
 
 
 def main(argv: list[str] | None = None) -> None:

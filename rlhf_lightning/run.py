@@ -90,17 +90,6 @@ def output_dir_for(cfg: DictConfig) -> Path:
         return Path("outputs") / cfg.name / time.strftime("%Y-%m-%d_%H-%M-%S")
 
 
-def in_multirun() -> bool:
-    """Whether this process is a job of a Hydra multirun (``-m``)."""
-    try:
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
-
-        return HydraConfig.get().mode == RunMode.MULTIRUN
-    except ValueError:  # not under @hydra.main
-        return False
-
-
 def checkpoint_step(path: str | Path) -> int:
     """The optimizer steps done in a Lightning checkpoint (its ``global_step``)."""
     return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["global_step"])
@@ -117,7 +106,8 @@ def prepare_run_dir(cfg: DictConfig) -> tuple[Path, str | None]:
         if not explicit:
             # A multirun job (outputs/<name>/multirun/<time>/<job>) resumes the newest job of the
             # same config in any earlier sweep of this name; a single run, its newest sibling.
-            root, pattern = (out.parent.parent, "*/*") if in_multirun() else (out.parent, "*")
+            multirun = bool(hydra_job().get("multirun"))
+            root, pattern = (out.parent.parent, "*/*") if multirun else (out.parent, "*")
             out, explicit = find_resumable(root, cfg, exclude=out, pattern=pattern), True
         last = out / "checkpoints" / "last.ckpt"
         check(last.is_file(), "resume", True, f"a checkpoint at {last} (output_dir names the run to resume)")

@@ -7,11 +7,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from rlhf_lightning.plot import Metrics, plot_runs, read_metrics
+from rlhf_lightning.plot import PLOT_FILE, Metrics, plot_runs, read_metrics
 
 log = logging.getLogger(__name__)
-
-PLOT_FILE = "plots.png"
 
 
 def eval_rows(metrics: Metrics) -> list[tuple[str, float, float]]:

@@ -193,23 +193,23 @@ class RolloutModule(RolloutEvaluation):
         self.warn_on_engine_gap(metrics)
         self.keep_samples(result)
 
-    def report_phase(self, text: str) -> None:
-        """Tell callbacks with an ``on_phase`` hook (the progress bar) where the step is."""
+    def notify_callbacks(self, hook_name: str, *args: Any) -> None:
+        """Call ``hook_name(trainer, module, *args)`` on every callback that has it (hooks of
+        ours that Lightning does not know: ``on_rollout_end``, ``on_phase``)."""
         if self._trainer is None:
             return
         for cb in cast(list, getattr(self.trainer, "callbacks", [])):
-            hook = getattr(cb, "on_phase", None)
+            hook = getattr(cb, hook_name, None)
             if hook is not None:
-                hook(self.trainer, self, text)
+                hook(self.trainer, self, *args)
+
+    def report_phase(self, text: str) -> None:
+        """Tell callbacks with an ``on_phase`` hook (the progress bar) where the step is."""
+        self.notify_callbacks("on_phase", text)
 
     def rollouts_done(self) -> None:
         """Rollouts are collected: callbacks may put the engine to sleep before training."""
-        if self._trainer is None:
-            return
-        for cb in cast(list, getattr(self.trainer, "callbacks", [])):
-            hook = getattr(cb, "on_rollout_end", None)
-            if hook is not None:
-                hook(self.trainer, self)
+        self.notify_callbacks("on_rollout_end")
 
     def is_on_policy(self, n: int) -> bool:
         """One epoch over one mini-batch: old log-probs equal the current ones (ratio 1)."""

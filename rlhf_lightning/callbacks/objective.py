@@ -49,9 +49,10 @@ class CheckOptimizedMetric(L.Callback):
 def optimized_value(output_dir: Path, name: str, mode: str = "final", direction: str = "maximize") -> float:
     """``name``'s last logged value in ``output_dir/metrics.csv`` (``final``), or its best over
     the run (``best``: the largest when ``direction`` is maximize, else the smallest)."""
-    series = read_metrics(output_dir).get(name) or []
+    metrics = read_metrics(output_dir)
+    series = metrics.get(name) or []
     if not series:
-        raise _unknown(name, sorted(k for k, v in read_metrics(output_dir).items() if v))
+        raise _unknown(name, sorted(k for k, v in metrics.items() if v))
     values = [v for _, v in series]
     if mode == "final":
         return values[-1]

@@ -17,7 +17,7 @@ class StepProgressBar(RichProgressBar):
         return f"{label:{len(self.validation_description)}}"  # padded like the eval bar: no flicker
 
     def on_phase(self, trainer: Any, pl_module: Any, text: str) -> None:
-        """Show where a long step is (``rollout: 32 prompts x 8``, ``update 2/4``) in the label."""
+        """Show where a long step is (``rollout: turn 2/5, 37 episodes``, ``update 2/4``) in the label."""
         if self.progress is None or self.train_progress_bar_id is None:
             return
         self.progress.update(self.train_progress_bar_id, description=f"train · {text}")
