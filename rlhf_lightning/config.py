@@ -40,6 +40,12 @@ class ModelConfig:
     reference_from_checkpoint: bool = False  # load adapter_path's reference/ instead of copying the actor
     pad_token: str | None = None  # set when the tokenizer has none (e.g. its eos token)
     chat_template: str | None = None  # a Jinja template, when the tokenizer has none
+    # QLoRA (GPU): the frozen base quantised by bitsandbytes, LoRA on top, lm_head unquantised.
+    quantization: str | None = None  # null | 4bit | 8bit
+    quant_type: str = "nf4"  # 4bit: nf4 | fp4
+    double_quant: bool = True  # 4bit: quantise the quantisation constants too
+    compute_dtype: str = "bfloat16"  # 4bit: the matmuls' dtype
+    liger_kernels: bool = False  # GPU: Liger's RoPE, RMSNorm and SwiGLU kernels patched into the model
 
 
 @dataclass
@@ -226,6 +232,22 @@ class EnvConfig:
 
 
 @dataclass
+class RewardConfig:
+    """The training reward (``reward=env|function|model``): the env's, a user function's, a
+    sequence-classification model's, or a weighted sum (``reward.sources=[env,model]``)."""
+
+    sources: list[str] = field(default_factory=lambda: ["env"])  # env | function | model
+    fn: Any = None  # function: a dotted path (or a list): fn(prompts, completions, **columns) -> scores
+    model_path: str | None = None  # model: an AutoModelForSequenceClassification directory or Hub id
+    model_batch_size: int = 32
+    model_max_len: int = 1024
+    model_dtype: str = "float32"
+    normalize: str = "none"  # model scores: none | batch (standardised over the rollout batch)
+    offload: bool = True  # model: on the CPU except while scoring
+    weights: Any = None  # {name: weight} by component name (env, fn name, model); unset: 1.0
+
+
+@dataclass
 class StrategyConfig:
     """Lightning's distribution strategy (``strategy=auto|ddp|fsdp``).
 
@@ -315,6 +337,7 @@ class Config:
     model: ModelConfig = MISSING
     env: EnvConfig = MISSING
     rollout: RolloutConfig = MISSING
+    reward: RewardConfig = MISSING
     strategy: StrategyConfig = MISSING
     logger: LoggerConfig = MISSING
     trainer: TrainerConfig = MISSING
@@ -355,6 +378,7 @@ def register_configs() -> None:
         ("env", "env", EnvConfig),
         ("rollout", "rollout", RolloutConfig),
         ("rollout", "vllm", VLLMRolloutConfig),
+        ("reward", "reward", RewardConfig),
         ("strategy", "strategy", StrategyConfig),
         ("logger", "logger", LoggerConfig),
         ("trainer", "trainer", TrainerConfig),

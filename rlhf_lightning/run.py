@@ -13,7 +13,7 @@ from typing import Any, cast
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rlhf_lightning.algorithms.spec import get_algorithm
 from rlhf_lightning.callbacks import AdapterExport, SameConfigOnAllRanks, SampleTable, config_digest
@@ -29,6 +29,7 @@ from rlhf_lightning.envs.factory import env_factory, split_sizes
 from rlhf_lightning.envs.harness import ChatFormatter, RolloutHarness
 from rlhf_lightning.loggers import build_loggers, hydra_job, wandb_location
 from rlhf_lightning.models.build import build_policy, load_model, load_tokenizer
+from rlhf_lightning.rewards import CombinedReward, build_reward
 from rlhf_lightning.rollout.callback import RolloutEngineCallback
 from rlhf_lightning.rollout.engine import SamplingParams
 from rlhf_lightning.rollout.hf import HFEngine
@@ -167,6 +168,21 @@ def build_engine(cfg: DictConfig, policy: Any, tokenizer: Any) -> Any:
     )
 
 
+def training_reward(rw: DictConfig) -> CombinedReward | None:
+    """The ``reward`` group as a :class:`CombinedReward` (None: the env's rewards as they are)."""
+    fns = OmegaConf.to_container(rw.fn) if isinstance(rw.fn, ListConfig) else rw.fn
+    weights = OmegaConf.to_container(rw.weights) if isinstance(rw.weights, DictConfig) else rw.weights
+    model_kwargs = {
+        "path": rw.model_path,
+        "batch_size": rw.model_batch_size,
+        "max_len": rw.model_max_len,
+        "normalize": rw.normalize,
+        "offload": rw.offload,
+        "dtype": rw.model_dtype,
+    }
+    return build_reward(list(rw.sources), fns, weights, model_kwargs)
+
+
 def build(cfg: DictConfig, output_dir: Path) -> tuple[L.LightningModule, L.LightningDataModule]:
     """Tokenizer, env, model, engine and LightningModule from a validated config."""
     m, e, r, a = cfg.model, cfg.env, cfg.rollout, cfg.algo
@@ -181,6 +197,7 @@ def build(cfg: DictConfig, output_dir: Path) -> tuple[L.LightningModule, L.Light
     )
     factory = env_factory(e._target_, cast(dict[str, Any], OmegaConf.to_container(e.kwargs, resolve=True)))
     train_rows, eval_rows = split_sizes(factory, e.train_size, e.eval_size)
+    spec = get_algorithm(a.module)
     harness = RolloutHarness(
         factory,
         tokenizer,
@@ -188,6 +205,7 @@ def build(cfg: DictConfig, output_dir: Path) -> tuple[L.LightningModule, L.Light
         max_turns=e.max_turns,
         max_model_len=e.max_model_len,
         on_reward_error=e.on_reward_error,
+        reward=training_reward(cfg.reward) if spec.data == "online" else None,
     )
     model = load_model(
         m.path,
@@ -195,8 +213,12 @@ def build(cfg: DictConfig, output_dir: Path) -> tuple[L.LightningModule, L.Light
         attn_implementation=m.attn_implementation,
         revision=m.revision,
         trust_remote_code=m.trust_remote_code,
+        quantization=m.quantization,
+        quant_type=m.quant_type,
+        double_quant=m.double_quant,
+        compute_dtype=m.compute_dtype,
+        liger_kernels=m.liger_kernels,
     )
-    spec = get_algorithm(a.module)
     hp = OmegaConf.to_object(a)
     policy = build_policy(
         model,

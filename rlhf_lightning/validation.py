@@ -10,6 +10,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from rlhf_lightning.models.kernels import QUANT_TYPES, gpu_model_problem
 from rlhf_lightning.strategies import STRATEGIES, split_global
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -66,6 +67,16 @@ def validate_model(m: DictConfig) -> None:
         check_model_path("model.tokenizer_path", m.tokenizer_path)
     check(m.dtype in DTYPES, "model.dtype", m.dtype, f"one of {', '.join(DTYPES)}")
     check(m.finetune in ("lora", "full"), "model.finetune", m.finetune, "one of lora, full")
+    check(m.quant_type in QUANT_TYPES, "model.quant_type", m.quant_type, f"one of {', '.join(QUANT_TYPES)}")
+    check(
+        m.compute_dtype in DTYPES[1:],
+        "model.compute_dtype",
+        m.compute_dtype,
+        f"one of {', '.join(DTYPES[1:])}",
+    )
+    problem = gpu_model_problem(m.quantization, m.liger_kernels, m.finetune)
+    if problem is not None:
+        raise ConfigError(*problem)
     if m.finetune == "lora":
         check(m.lora.r > 0, "model.lora.r", m.lora.r, "a positive rank")
         check(m.lora.alpha > 0, "model.lora.alpha", m.lora.alpha, "a positive number")
@@ -357,6 +368,25 @@ def validate(cfg: DictConfig) -> None:
             f"0 for algo.module={a.module}: dropout makes the trainer's log-probs differ from the "
             "sampler's (on-policy ratios != 1); LoRA dropout applies to SFT and DPO only",
         )
+    check(
+        spec.data == "online" or list(cfg.reward.sources) == ["env"],
+        "reward.sources",
+        list(cfg.reward.sources),
+        f"[env] for algo.module={a.module}: rewards score rollouts, and {a.module} trains on a dataset",
+    )
+    rw = cfg.reward
+    check(
+        "function" not in rw.sources or rw.fn is not None,
+        "reward.fn",
+        rw.fn,
+        "required with reward=function: pass reward.fn=my_pkg.rewards.my_fn",
+    )
+    check(
+        "model" not in rw.sources or rw.model_path is not None,
+        "reward.model_path",
+        rw.model_path,
+        "required with reward=model: pass reward.model_path=/path/to/reward_model",
+    )
     e = cfg.env
     check_env_target(e._target_)
     check(e.max_turns >= 1, "env.max_turns", e.max_turns, "at least 1")

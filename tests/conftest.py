@@ -92,3 +92,13 @@ def fit_steps(cfg: DictConfig, tmp_path: Path, steps: int = 1, callbacks=(), mod
     )
     trainer.fit(module, datamodule=dm)
     return module, trainer
+
+
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.gpu`` tests are skipped, with the reason shown, where CUDA is absent."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (marked gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -32,6 +32,12 @@ def test_every_yaml_composes_and_resolves(group, option, tiny_path):
         overrides.append(f"model.path={tiny_path}")
     if (group, option) == ("env", "custom"):  # its one required value
         overrides.append("env._target_=rlhf_lightning.envs.arithmetic.ArithmeticEnv")
+    if (group, option) == ("env", "dataset"):  # its one required value
+        overrides.append("env.kwargs.path=openai/gsm8k")
+    if (group, option) == ("reward", "function"):
+        overrides.append("reward.fn=math.sqrt")
+    if (group, option) == ("reward", "model"):
+        overrides.append(f"reward.model_path={tiny_path}")
     cfg = compose_config(overrides, output_dir=Path("/tmp/unused"))
     container = OmegaConf.to_container(cfg, resolve=True)
     assert container["algo"]["name"] and container["model"]["path"]

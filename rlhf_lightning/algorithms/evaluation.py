@@ -70,7 +70,13 @@ class RolloutEvaluation(ModuleMixin):
                 ensure_synced(self.policy, self.global_step)
             progress = None if evaluation else getattr(self, "report_phase", None)
             return self.harness.rollout(
-                self.engine, rows, params, group_size=group_size, evaluation=evaluation, progress=progress
+                self.engine,
+                rows,
+                params,
+                group_size=group_size,
+                evaluation=evaluation,
+                progress=progress,
+                device=self.device,
             )
 
     def on_validation_start(self) -> None:

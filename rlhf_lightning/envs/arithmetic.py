@@ -104,7 +104,7 @@ class ArithmeticEnv:
         if row_index is None:
             row_index = random.Random(seed).randrange(self.num_rows(evaluation))
         self.problem = make_problem(self.seed, row_index, evaluation, self.min_operand, self.max_operand)
-        return self.problem.question, {}
+        return self.problem.question, {"answer": self.problem.answer}
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         if self.problem is None:

@@ -19,6 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from rlhf_lightning.envs.base import Observation, TextEnv
 from rlhf_lightning.envs.trajectory import Trajectory, TrajectoryBatch, collate
+from rlhf_lightning.rewards import CombinedReward
 from rlhf_lightning.rollout.engine import Completion, RolloutEngine, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -147,6 +148,7 @@ class RolloutHarness:
         on_reward_error: ``raise`` (default) re-raises an exception from ``env.step`` with the
             prompt and completion shown; ``zero`` scores that reply 0, ends the episode and
             counts it in ``env/reward_errors``.
+        reward: the training reward when it is not the env's alone (``reward=function|model``).
     """
 
     def __init__(
@@ -157,10 +159,12 @@ class RolloutHarness:
         max_turns: int = 1,
         max_model_len: int = 512,
         on_reward_error: str = "raise",
+        reward: CombinedReward | None = None,
     ) -> None:
         if on_reward_error not in ("raise", "zero"):
             raise ValueError(f"on_reward_error must be raise or zero, got {on_reward_error!r}")
         self.on_reward_error = on_reward_error
+        self.reward = reward
         self.env_factory = env_factory
         self.tokenizer = tokenizer
         self.formatter = formatter
@@ -176,9 +180,11 @@ class RolloutHarness:
         group_size: int = 1,
         evaluation: bool = False,
         progress: Callable[[str], None] | None = None,
+        device: Any = "cpu",
     ) -> RolloutResult:
         """``group_size`` episodes for each task row; trajectories are row-major (group-contiguous).
         ``progress`` hears where the rollout is before each turn's generation (the progress bar).
+        Training episodes are then scored by ``reward`` (reward models run on ``device``).
 
         A row whose prompt leaves no room for ``params.max_new_tokens`` within ``max_model_len``
         is dropped (with its group) and counted, never cut.
@@ -186,27 +192,27 @@ class RolloutHarness:
         envs: list[TextEnv] = []
         trajs: list[Trajectory] = []
         rendered: dict[str, str] = {}  # group members usually share their prompt
-        reset: list[list[tuple[TextEnv, str]]] = []
+        reset: list[list[tuple[TextEnv, str, Observation, dict[str, Any]]]] = []
         for row in rows:
             reset.append([])
             for _ in range(group_size):
                 env = self.env_factory()
-                obs, _info = env.reset(seed=row, row_index=row, evaluation=evaluation)
+                obs, info = env.reset(seed=row, row_index=row, evaluation=evaluation)
                 key = obs if isinstance(obs, str) else json.dumps(obs)
                 if key not in rendered:
                     rendered[key] = self.formatter.prompt_text(obs)
-                reset[-1].append((env, key))
+                reset[-1].append((env, key, obs, info if isinstance(info, dict) else {}))
         texts = list(rendered.values())
         encoded = self.tokenizer(texts, add_special_tokens=False).input_ids if texts else []
         token_ids = dict(zip(rendered, encoded))
         dropped = 0
         for members in reset:
-            group = [(env, rendered[key], token_ids[key]) for env, key in members]
-            if any(len(ids) + params.max_new_tokens > self.max_model_len for _, _, ids in group):
+            group = [(env, rendered[key], token_ids[key], obs, info) for env, key, obs, info in members]
+            if any(len(ids) + params.max_new_tokens > self.max_model_len for _, _, ids, _, _ in group):
                 dropped += 1
                 continue
             g = len(trajs) // group_size
-            for env, text, ids in group:
+            for env, text, ids, obs, info in group:
                 envs.append(env)
                 trajs.append(
                     Trajectory(
@@ -217,6 +223,8 @@ class RolloutHarness:
                         group_id=g,
                         prompt_len=len(ids),
                         prompt_text=text,
+                        observation=obs,
+                        task_info=info,
                     )
                 )
         if dropped:
@@ -253,8 +261,10 @@ class RolloutHarness:
                 break
         for i in live:  # still going after max_turns: cut by the turn limit
             trajs[i].truncated = True
-        batch = collate(trajs, self.tokenizer.pad_token_id)
         metrics = self._metrics(trajs)
+        if self.reward is not None and not evaluation:  # evaluation keeps the env's own rewards
+            metrics.update(self.reward.apply(trajs, device))
+        batch = collate(trajs, self.tokenizer.pad_token_id)
         metrics["rollout/dropped_long_prompts"] = float(dropped)
         metrics["env/reward_errors"] = float(errors)
         return RolloutResult(batch, trajs, metrics)
@@ -270,6 +280,7 @@ class RolloutHarness:
         traj.finish_reasons.append(comp.finish_reason)
         traj.turn_lengths.append(len(comp.token_ids))
         traj.completion_text += text if turn == 0 else f"\n[turn {turn}] {text}"
+        traj.replies.append(text)
         failed = False
         try:
             out = env.step(text)

@@ -31,6 +31,9 @@ class Trajectory:
     infos: list[dict[str, Any]] = field(default_factory=list)
     finish_reasons: list[str] = field(default_factory=list)
     turn_lengths: list[int] = field(default_factory=list)
+    replies: list[str] = field(default_factory=list)  # each turn's decoded reply (for reward functions)
+    observation: Any = ""  # the env's first observation (str or chat messages)
+    task_info: dict[str, Any] = field(default_factory=dict)  # the env's reset info (dataset columns)
 
     @property
     def num_turns(self) -> int:

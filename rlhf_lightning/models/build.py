@@ -21,6 +21,7 @@ from rlhf_lightning.models.adapters import (
     load_into,
     load_value_head,
 )
+from rlhf_lightning.models.kernels import apply_liger, quantized_load_kwargs
 from rlhf_lightning.models.policy import Policy
 from rlhf_lightning.validation import ConfigError, is_hub_id
 
@@ -146,17 +147,28 @@ def load_model(
     attn_implementation: str | None = None,
     revision: str | None = None,
     trust_remote_code: bool = False,
+    quantization: str | None = None,
+    quant_type: str = "nf4",
+    double_quant: bool = True,
+    compute_dtype: str = "bfloat16",
+    liger_kernels: bool = False,
 ) -> PreTrainedModel:
+    """The causal LM at ``path``; ``quantization`` (4bit, 8bit: QLoRA's frozen base, on this
+    rank's GPU) and ``liger_kernels`` need CUDA (see ``models/kernels.py``)."""
     kwargs: dict[str, Any] = {"revision": revision, "trust_remote_code": trust_remote_code}
     kwargs["dtype"] = "auto" if dtype == "auto" else DTYPES[dtype]
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
+    if quantization is not None:
+        kwargs.update(quantized_load_kwargs(quantization, quant_type, double_quant, compute_dtype))
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except OSError as err:
         if is_hub_id(path):
             raise _hub_hint(path, err) from err
         raise
+    if liger_kernels:
+        apply_liger(model)
     return model.train()  # from_pretrained returns eval mode
 
 
@@ -257,7 +269,8 @@ def build_policy(
     if with_critic:
         peft_model.add_adapter(CRITIC, config)
         hidden = model.config.hidden_size
-        value_head = torch.nn.Linear(hidden, 1, dtype=next(model.parameters()).dtype)
+        # The output layer's dtype: a quantised base's first parameters may be packed integers.
+        value_head = torch.nn.Linear(hidden, 1, dtype=model.get_output_embeddings().weight.dtype)
         torch.nn.init.zeros_(value_head.weight)
         torch.nn.init.zeros_(value_head.bias)
         saved_critic = adapter_dir(adapter_path, CRITIC) if adapter_path is not None else None
