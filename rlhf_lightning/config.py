@@ -332,6 +332,24 @@ class SamplesConfig:
 
 
 @dataclass
+class PopulationConfig:
+    """Population training with evolution (``rlhf_lightning/population``); size 1 is off."""
+
+    size: int = 1
+    evolve_every: int | None = None  # training steps (all members together); default 10 x size; 0: never
+    fitness: str = "accuracy_greedy"  # accuracy_greedy | accuracy_sampled | return_greedy | return_sampled
+    eval_rows: int = 100  # held-out rows each member is scored on
+    tournament_size: int = 2
+    elitism: bool = True  # the fittest member survives unchanged
+    no_mutation_prob: float = 0.2  # a clone keeps its parent's hyper-parameters
+    mutate_initial: bool = False  # members 1..N-1 start from one mutation of the config's values
+    snapshot_every: int = 0  # write the population from a background thread every this many steps
+    # {name: {low, high, scale}} for lr, clip_low, clip_high, beta, temperature, group_size,
+    # entropy_coef; null: {lr: {low: 1e-6, high: 1e-2, scale: 2}}
+    mutate: Any = None
+
+
+@dataclass
 class Config:
     algo: Any = MISSING
     model: ModelConfig = MISSING
@@ -345,6 +363,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     samples: SamplesConfig = field(default_factory=SamplesConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
+    population: PopulationConfig = field(default_factory=PopulationConfig)
     name: str = "default"  # runs land in outputs/<name>/<timestamp>
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads; None: torch's default (OMP_NUM_THREADS or all cores)

@@ -29,6 +29,8 @@ from rlhf_lightning.envs.factory import env_factory, split_sizes
 from rlhf_lightning.envs.harness import ChatFormatter, RolloutHarness
 from rlhf_lightning.loggers import build_loggers, hydra_job, wandb_location
 from rlhf_lightning.models.build import build_policy, load_model, load_tokenizer
+from rlhf_lightning.population.callback import Population
+from rlhf_lightning.population.evolution import DEFAULT_SPACE, MutationRange
 from rlhf_lightning.rewards import CombinedReward, build_reward
 from rlhf_lightning.rollout.callback import RolloutEngineCallback
 from rlhf_lightning.rollout.engine import SamplingParams
@@ -181,6 +183,25 @@ def training_reward(rw: DictConfig) -> CombinedReward | None:
         "dtype": rw.model_dtype,
     }
     return build_reward(list(rw.sources), fns, weights, model_kwargs)
+
+
+def population_callback(p: DictConfig, output_dir: Path, seed: int) -> Population:
+    """The ``population`` config as a :class:`Population` callback."""
+    space = {name: MutationRange(**dict(r)) for name, r in (p.mutate or DEFAULT_SPACE).items()}
+    return Population(
+        p.size,
+        p.evolve_every if p.evolve_every is not None else 10 * p.size,
+        space,
+        output_dir,
+        fitness=p.fitness,
+        eval_rows=p.eval_rows,
+        tournament_size=p.tournament_size,
+        elitism=p.elitism,
+        no_mutation_prob=p.no_mutation_prob,
+        mutate_initial=p.mutate_initial,
+        snapshot_every=p.snapshot_every,
+        seed=seed,
+    )
 
 
 def build(cfg: DictConfig, output_dir: Path) -> tuple[L.LightningModule, L.LightningDataModule]:
@@ -390,6 +411,8 @@ def _fit(
         callbacks.append(SampleTable(cfg.samples.every_n_steps, output_dir))
     if cfg.trainer.enable_progress_bar:
         callbacks.append(StepProgressBar(leave=True))
+    if cfg.population.size > 1:
+        callbacks.insert(0, population_callback(cfg.population, output_dir, cfg.seed))
     callbacks.append(SameConfigOnAllRanks(config_digest(cfg)))
     if cfg.optimized_metric:
         callbacks.append(CheckOptimizedMetric(cfg.optimized_metric))

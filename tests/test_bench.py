@@ -65,3 +65,30 @@ def test_arguments():
     assert (a.model, a.cycles, a.level, a.full) == ("/m", 4, 2, True)
     with pytest.raises(SystemExit):
         bench.parse_args(["--model", "/m", "--level", "3"])
+
+
+@pytest.mark.slow
+def test_population_benchmark_runs_both_arms_end_to_end(tmp_path):
+    """bench/population.py at a toy budget: both arms run in their own processes and report
+    steps to a target no run can reach (so each arm spends its whole budget)."""
+    import json
+    import os
+    import subprocess
+
+    cmd = [
+        sys.executable, str(ROOT / "bench" / "population.py"), "--seeds", "0", "--members", "2",
+        "--evolve-every", "4", "--budget", "8", "--trial-steps", "4", "--eval-every", "2", "--max-trials", "2",
+        "--eval-rows", "10", "--target", "1.01", "--work", str(tmp_path / "w"), "--json", str(tmp_path / "r.json"),
+        "--plot", str(tmp_path / "p.png"),
+    ]  # fmt: skip
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)}
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "| population | 0 | not reached in 8 |" in proc.stdout
+    assert "| optuna | 0 | not reached in 8 |" in proc.stdout
+    results = json.loads((tmp_path / "r.json").read_text())
+    population = next(r for r in results if r["arm"] == "population")
+    assert [c[0] for c in population["curve"]] == [4, 8]  # an evolution every 4 global steps
+    assert len(next(r for r in results if r["arm"] == "optuna")["trials"]) == 2
+    assert (tmp_path / "p.png").stat().st_size > 0

@@ -213,3 +213,17 @@ def test_torchrun_launches_the_ranks(tmp_path):
     log = proc.stdout + proc.stderr
     assert "GLOBAL_RANK: 1" in log and log.count("run finished") == 1
     assert [r["step"] for r in metric_rows(out) if r.get("rollout/reward_mean")] == ["1", "2"]
+
+
+@pytest.mark.slow
+def test_population_under_ddp_ranks_agree_on_selection(tmp_path):
+    out = tmp_path / "run"
+    train(
+        tmp_path, *DDP, "population.size=2", "population.evolve_every=2", "population.eval_rows=8",
+        "population.mutate_initial=true", "population.no_mutation_prob=0", "trainer.max_steps=4",
+        f"output_dir={out}",
+    )  # fmt: skip
+    lineage = list(csv.DictReader((out / "lineage.csv").open()))
+    assert [r["event"] for r in lineage] == ["init", "init", "elite", "clone", "elite", "clone"]
+    keys = set().union(*(r for r in metric_rows(out) if any(r.values())))
+    assert {"member_0/reward_mean", "member_1/reward_mean", "population/fitness_best"} <= keys

@@ -246,3 +246,25 @@ def test_engine_started_under_inference_mode_still_takes_lora_syncs(tiny_path, t
         assert gap < 1e-4
     finally:
         engine.shutdown()
+
+
+def test_population_members_take_turns_on_one_engine(tmp_path):
+    """Each step's member is synced before it samples: the engine's log-probs match the trainer's
+    for every member, across the swaps and the evolution (which changes members' weights)."""
+    import csv
+
+    from rlhf_lightning.run import run
+
+    out = tmp_path / "run"
+    cfg = compose_config(
+        [*FAST, "rollout=vllm", "algo.lr=1e-2", "population.size=2", "population.evolve_every=2",
+         "population.eval_rows=8", "population.mutate_initial=true", "trainer.max_steps=4",
+         "checkpoint.every_n_steps=0", "eval.before_training=false", "eval.at_end=false",
+         "trainer.val_check_interval=100"],
+        output_dir=out,
+    )  # fmt: skip
+    run(cfg)
+    rows = list(csv.DictReader((out / "metrics.csv").open()))
+    # A step whose rewards are all equal has no tokens in the loss, hence no gap to measure.
+    gaps = [float(r["is/gap_mean"]) for r in rows if r.get("is/gap_mean")]
+    assert len(gaps) >= 2 and max(gaps) < 1e-3

@@ -1,0 +1,1 @@
+"""Population training: N LoRA members on one frozen base, evolved while they train."""

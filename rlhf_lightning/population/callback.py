@@ -1,0 +1,409 @@
+"""Population training (``population.size=N``): N members on one frozen base, evolved in one run.
+
+A member is the trainable weights (actor adapter, and PPO's critic adapter and value head), its
+optimizer and scheduler state and its hyper-parameters. One member at a time is *resident*: its
+weights sit in the policy's adapter slots, its state in Lightning's optimizer and scheduler,
+its hyper-parameters in ``module.hp`` and ``module.sampling``. The others are copies off the
+model (a few adapters' memory, never N models). Training steps go round-robin over the members
+(``trainer.max_steps`` counts them all; each member's warm-up and cosine schedule spans its own
+``max_steps / N`` steps). Every ``population.evolve_every`` steps each member is
+scored on a held-out slice, then tournament selection with elitism picks each slot's parent,
+the parent is cloned (weights and optimizer state copied, the base untouched) and mutated;
+``lineage.csv`` records every birth. Validation and the final export use the fittest member.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import dataclasses
+import functools
+import random
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import lightning as L
+import torch
+
+from rlhf_lightning.algorithms import rng as rng_state
+from rlhf_lightning.algorithms.evaluation import episode_success
+from rlhf_lightning.algorithms.schedule import warmup_cosine
+from rlhf_lightning.population.evolution import MUTABLE, MutationRange, mutate, tournament_select
+
+FITNESS = ("accuracy_greedy", "accuracy_sampled", "return_greedy", "return_sampled")
+LINEAGE_FIELDS = ["step", "slot", "id", "parent", "event", "mutation", "parent_fitness", *MUTABLE]
+
+
+@dataclass
+class Member:
+    """One member, off the model: copies of its trainable weights and optimizer/scheduler state."""
+
+    id: int
+    hparams: dict[str, float]
+    weights: list[torch.Tensor]
+    optimizer: dict[str, Any]
+    scheduler: dict[str, Any]
+    parent: int | None = None
+    fitness: float | None = None
+    history: list[float] = field(default_factory=list)
+
+    def clone(self, new_id: int) -> Member:
+        """An independent copy (tensors cloned, nothing shared) with a new id, parented here."""
+        return Member(
+            new_id,
+            dict(self.hparams),
+            [w.clone() for w in self.weights],
+            copy.deepcopy(self.optimizer),
+            copy.deepcopy(self.scheduler),
+            parent=self.id,
+            fitness=self.fitness,
+        )
+
+
+class Population(L.Callback):
+    """Args:
+    size: members.
+    evolve_every: training steps between evolutions (a multiple of ``size``; 0: never).
+    space: the mutation range of each evolved hyper-parameter.
+    fitness: ``accuracy_greedy`` | ``accuracy_sampled`` | ``return_greedy`` | ``return_sampled``.
+    eval_rows: held-out rows each member is scored on.
+    tournament_size, elitism, no_mutation_prob: selection and mutation (``evolution.py``).
+    mutate_initial: mutate members 1..N-1 once at the start (member 0 keeps the config's values).
+    snapshot_every: write the whole population every this many steps from a background thread.
+    output_dir: where ``lineage.csv``, ``population/best`` and snapshots go.
+    seed: the evolution's random stream (the same on every rank).
+    """
+
+    def __init__(
+        self,
+        size: int,
+        evolve_every: int,
+        space: dict[str, MutationRange],
+        output_dir: str | Path,
+        fitness: str = "accuracy_greedy",
+        eval_rows: int = 100,
+        tournament_size: int = 2,
+        elitism: bool = True,
+        no_mutation_prob: float = 0.2,
+        mutate_initial: bool = False,
+        snapshot_every: int = 0,
+        seed: int = 0,
+    ) -> None:
+        if size < 2:
+            raise ValueError(f"population.size must be at least 2, got {size}")
+        if evolve_every < 0 or (evolve_every and evolve_every % size):
+            raise ValueError(
+                f"population.evolve_every={evolve_every}: a multiple of population.size={size}, or 0"
+            )
+        if fitness not in FITNESS:
+            raise ValueError(f"population.fitness={fitness!r}: one of {', '.join(FITNESS)}")
+        unknown = sorted(set(space) - set(MUTABLE))
+        if unknown:
+            raise ValueError(f"population.mutate: unknown hyper-parameters {unknown}; choose among {MUTABLE}")
+        self.size, self.evolve_every, self.space = size, evolve_every, dict(space)
+        self.fitness_name, self.eval_rows = fitness, eval_rows
+        self.tournament_size, self.elitism, self.no_mutation_prob = tournament_size, elitism, no_mutation_prob
+        self.mutate_initial, self.snapshot_every = mutate_initial, snapshot_every
+        self.output_dir = Path(output_dir)
+        self.rng = random.Random(seed)
+        self.members: list[Member] = []
+        self.resident: int | None = None  # the slot whose state is on the model
+        self.steps = 0  # training steps taken by all members together
+        self.next_id = 0
+        self.lineage: list[dict[str, Any]] = []
+        self.snapshots: list[threading.Thread] = []
+        self.module: Any = None
+        self._base_hp: Any = None
+        self._base_temperature = 1.0
+        self._restored: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ the resident member
+    def params(self) -> list[torch.nn.Parameter]:
+        return cast(list[torch.nn.Parameter], self.module.policy.trainable_parameters())
+
+    def optimizer(self) -> torch.optim.Optimizer:
+        opt = self.module.optimizers()
+        return cast(torch.optim.Optimizer, getattr(opt, "optimizer", opt))
+
+    def scheduler(self) -> Any:
+        return self.module.lr_schedulers()
+
+    def capture(self, member_id: int, hparams: dict[str, float], parent: int | None = None) -> Member:
+        """The resident state as a new member (copies)."""
+        return Member(
+            member_id,
+            dict(hparams),
+            [p.detach().clone() for p in self.params()],
+            copy.deepcopy(self.optimizer().state_dict()),
+            copy.deepcopy(self.scheduler().state_dict()),
+            parent=parent,
+        )
+
+    def store(self) -> None:
+        """Copy the resident's state back into its member (after it trained)."""
+        if self.resident is None:
+            return
+        m = self.members[self.resident]
+        with torch.no_grad():
+            for w, p in zip(m.weights, self.params()):
+                w.copy_(p)
+        m.optimizer = copy.deepcopy(self.optimizer().state_dict())
+        m.scheduler = copy.deepcopy(self.scheduler().state_dict())
+
+    def load(self, slot: int) -> None:
+        """Make ``slot`` resident: weights, optimizer and scheduler state, hyper-parameters."""
+        if self.resident == slot:
+            return
+        self.store()
+        m = self.members[slot]
+        with torch.no_grad():
+            for p, w in zip(self.params(), m.weights):
+                p.copy_(w)
+        self.optimizer().load_state_dict(m.optimizer)
+        sched = self.scheduler()
+        sched.load_state_dict(m.scheduler)
+        self.apply_hparams(m.hparams)
+        self.resident = slot
+        engine: Any = getattr(self.module, "engine", None)
+        if engine is not None and hasattr(engine, "synced_version"):
+            engine.synced_version = None  # another member's weights: the engine syncs before sampling
+
+    def apply_hparams(self, hp: dict[str, float]) -> None:
+        module = self.module
+        fields = {f.name for f in dataclasses.fields(self._base_hp)}
+        algo = {k: v for k, v in hp.items() if k in fields and k != "temperature"}
+        module.hp = dataclasses.replace(self._base_hp, **algo)
+        module.sampling = dataclasses.replace(
+            module.sampling, temperature=hp.get("temperature", self._base_temperature)
+        )
+        sched, opt = self.scheduler(), self.optimizer()
+        lrs = [hp.get("lr", self._base_hp.lr)] * len(opt.param_groups)
+        critic_lr = getattr(self._base_hp, "lr_critic", None)
+        if critic_lr is not None and len(lrs) > 1:
+            lrs[1] = critic_lr  # PPO's critic keeps its own configured lr
+        sched.base_lrs = list(lrs)
+        for group, base, fn in zip(opt.param_groups, lrs, sched.lr_lambdas):
+            group["initial_lr"] = base
+            group["lr"] = base * fn(sched.last_epoch)
+        module.objective = module.build_objective()
+
+    def initial_hparams(self) -> dict[str, float]:
+        hp = {k: getattr(self._base_hp, k) for k in MUTABLE if hasattr(self._base_hp, k)}
+        hp["temperature"] = self._base_temperature
+        return {k: v for k, v in hp.items() if v is not None}
+
+    # ------------------------------------------------------------------ Lightning hooks
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        module: Any = pl_module
+        self.module = module
+        self._base_hp = module.hp
+        self._base_temperature = float(module.sampling.temperature)
+        missing = sorted(k for k in self.space if k != "temperature" and not hasattr(self._base_hp, k))
+        if missing:
+            raise ValueError(
+                f"population.mutate: {missing} are not hyper-parameters of algo={self._base_hp.name}"
+            )
+        # Each member's warm-up and cosine run over its own share of the steps.
+        hp, sched = self._base_hp, self.scheduler()
+        own = max(trainer.max_steps // self.size, 1) if trainer.max_steps and trainer.max_steps > 0 else 1
+        schedule = functools.partial(
+            warmup_cosine, warmup_steps=hp.warmup_steps, total_steps=own, min_lr_ratio=hp.min_lr_ratio
+        )
+        sched.lr_lambdas = [schedule] * len(sched.lr_lambdas)
+        if self._restored is not None:  # a resume: the checkpoint's population
+            self._load_population(self._restored)
+            self._restored = None
+            return
+        base = self.initial_hparams()
+        for slot in range(self.size):
+            hp, how = (
+                mutate(base, self.space, self.rng, 0.0) if self.mutate_initial and slot else (base, "none")
+            )
+            self.members.append(self.capture(self.next_id, hp))
+            self.record(trainer.global_step, slot, None, "init", how, None)
+            self.next_id += 1
+        self.resident = 0
+        self.apply_hparams(self.members[0].hparams)
+        self.write_lineage(trainer)
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self.load(self.steps % self.size)
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        slot = self.steps % self.size
+        self.steps += 1
+        metrics = trainer.callback_metrics
+        keep = {f"member_{slot}/{k.split('/', 1)[1]}": v for k, v in metrics.items()
+                if k in ("rollout/reward_mean", "actor/loss", "actor/lr")}  # fmt: skip
+        keep[f"member_{slot}/id"] = torch.tensor(float(self.members[slot].id))
+        pl_module.log_metrics(keep)  # type: ignore[operator]
+        if self.evolve_every and self.steps % self.evolve_every == 0:
+            self.evolve(trainer)
+        if self.snapshot_every and self.steps % self.snapshot_every == 0:
+            self.snapshot(self.output_dir / "population" / f"snapshot_step_{self.steps:06d}.pt")
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.members:
+            self.load(self.best_slot())
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        for t in self.snapshots:
+            t.join()
+        if not self.members:
+            return
+        self.load(self.best_slot())
+        if trainer.is_global_zero:
+            out = self.module.policy.save_adapter(self.output_dir / "population" / "best")
+            if out is not None:
+                m = self.members[self.best_slot()]
+                print(f"population: best member {m.id} (fitness {m.fitness}) -> {out}")
+
+    # ------------------------------------------------------------------ evolution
+    def best_slot(self) -> int:
+        scores = [m.fitness if m.fitness is not None else float("-inf") for m in self.members]
+        return max(range(len(scores)), key=lambda i: (scores[i], -i))
+
+    @torch.no_grad()
+    def score(self, trainer: L.Trainer) -> list[float]:
+        """Each member's fitness on the first ``eval_rows`` held-out rows (all ranks: the mean)."""
+        module = self.module
+        dm = trainer.datamodule  # type: ignore[attr-defined]
+        n = min(self.eval_rows, dm.eval_rows)
+        rows = list(range(module.rank, n, module.world_size))
+        mode = self.fitness_name.split("_")[1]
+        saved = rng_state.capture()  # scoring draws no numbers from training's streams
+        out = []
+        for slot in range(self.size):
+            self.load(slot)
+            params = (
+                module.sampling
+                if mode == "sampled"
+                else dataclasses.replace(module.sampling, temperature=0.0)
+            )
+            result = module.rollout(rows, params, group_size=1, evaluation=True)
+            if self.fitness_name.startswith("accuracy"):
+                values = torch.tensor([episode_success(t) for t in result.trajectories])
+            else:
+                values = result.batch.returns.float().cpu()
+            total = torch.stack([values.sum(), torch.tensor(float(len(values)))]).to(module.device)
+            if module.world_size > 1:
+                total = module.all_gather(total).sum(0)
+            out.append(float(total[0] / total[1].clamp(min=1)))
+        rng_state.restore(saved)
+        return out
+
+    def evolve(self, trainer: L.Trainer) -> None:
+        fitness = self.score(trainer)
+        self.store()
+        for m, f in zip(self.members, fitness):
+            m.fitness = f
+            m.history.append(f)
+        step = trainer.global_step
+        parents = tournament_select(fitness, self.rng, self.tournament_size, self.elitism)
+        new: list[Member] = []
+        for slot, p in enumerate(parents):
+            parent = self.members[p]
+            if slot == 0 and self.elitism:
+                child, event, how = parent.clone(parent.id), "elite", "none"
+                child.parent = parent.parent
+            else:
+                child = parent.clone(self.next_id)
+                self.next_id += 1
+                child.hparams, how = mutate(parent.hparams, self.space, self.rng, self.no_mutation_prob)
+                event = "clone"
+            new.append(child)
+            self.record(step, slot, child, event, how, fitness[p])
+        self.members = new
+        self.check_ranks_agree()
+        self.resident = None  # the model holds an old member's state: load the next one fresh
+        self.load(self.steps % self.size)
+        self.module.log_metrics(
+            {
+                "population/fitness_best": torch.tensor(max(fitness)),
+                "population/fitness_mean": torch.tensor(sum(fitness) / len(fitness)),
+                "population/best_lr": torch.tensor(float(new[0].hparams.get("lr", 0.0))),
+            }
+        )
+        self.write_lineage(trainer)
+
+    def check_ranks_agree(self) -> None:
+        """Every rank must hold the same population after selection (same seed, same gathered
+        fitness): a cheap digest of ids and hyper-parameters is compared across ranks."""
+        module = self.module
+        if module.world_size <= 1:
+            return
+        digest = torch.tensor(
+            [[float(m.id), *(float(m.hparams.get(k) or 0.0) for k in MUTABLE)] for m in self.members],
+            dtype=torch.float64,
+            device=module.device,
+        )
+        gathered = module.all_gather(digest)
+        if not bool((gathered == gathered[0]).all()):
+            raise RuntimeError(
+                f"population: ranks disagree after selection at step {self.steps}: {gathered.tolist()}"
+            )
+
+    def record(
+        self, step: int, slot: int, member: Member | None, event: str, mutation: str, fitness: float | None
+    ) -> None:
+        m = member if member is not None else self.members[slot]
+        row = {"step": step, "slot": slot, "id": m.id, "parent": m.parent, "event": event, "mutation": mutation,
+               "parent_fitness": fitness, **{k: m.hparams.get(k) for k in MUTABLE}}  # fmt: skip
+        self.lineage.append(row)
+
+    def write_lineage(self, trainer: L.Trainer) -> None:
+        if not trainer.is_global_zero:
+            return
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        with (self.output_dir / "lineage.csv").open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=LINEAGE_FIELDS)
+            writer.writeheader()
+            writer.writerows(self.lineage)
+
+    # ------------------------------------------------------------------ state: checkpoints and snapshots
+    def population_state(self) -> dict[str, Any]:
+        """Copies of everything that decides the population's future (members, RNG, counters)."""
+        self.store()
+        return {
+            "members": [dataclasses.asdict(m) for m in self.members],  # deep copies
+            "resident": self.resident,
+            "steps": self.steps,
+            "next_id": self.next_id,
+            "rng": self.rng.getstate(),
+            "lineage": [dict(r) for r in self.lineage],
+        }
+
+    def snapshot(self, path: Path) -> threading.Thread:
+        """Write the population as it is now from a background thread; training goes on (the
+        snapshot holds copies, so later updates do not reach it)."""
+        state = self.population_state()
+        state["members"] = [
+            m | {"weights": [w.detach().cpu() for w in m["weights"]]} for m in state["members"]
+        ]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        thread = threading.Thread(target=torch.save, args=(state, path), daemon=False)
+        thread.start()
+        self.snapshots.append(thread)
+        return thread
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.population_state() if self.members else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored = state_dict or None
+
+    def _load_population(self, state: dict[str, Any]) -> None:
+        self.members = [Member(**m) for m in state["members"]]
+        self.steps, self.next_id = state["steps"], state["next_id"]
+        self.rng.setstate(state["rng"])
+        self.lineage = [dict(r) for r in state["lineage"]]
+        # Lightning restored the resident's weights, optimizer and scheduler; its hyper-parameters:
+        self.resident = state["resident"]
+        if self.resident is not None:
+            self.apply_hparams(self.members[self.resident].hparams)
