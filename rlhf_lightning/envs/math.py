@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import threading
+from pathlib import Path
 from typing import Any
 
 from rlhf_lightning.config import ASSETS
@@ -25,6 +27,18 @@ def verify(completion: str, gold: str) -> bool:
     return bool(gold_parsed) and bool(answer) and mv_verify(gold_parsed, answer, timeout_seconds=timeout)
 
 
+def cached_rows(path: str, field: str) -> list[dict[str, Any]]:
+    """The file's rows, read once per process while it is unchanged (every episode builds its own env)."""
+    p = Path(path).expanduser()
+    stamp = p.stat().st_mtime_ns if p.is_file() else None
+    return _read(str(p), stamp, field)
+
+
+@functools.lru_cache(maxsize=8)
+def _read(path: str, stamp: int | None, field: str) -> list[dict[str, Any]]:
+    return read_rows(path, field)
+
+
 class MathEnv:
     """One problem per row; reward 1.0 when math-verify finds the completion's answer equal to
     the gold one (boxed answers, fractions, equivalent expressions), else 0.0.
@@ -45,9 +59,9 @@ class MathEnv:
         eval_fraction: float = 0.25,
         instruction: str = "Put the final answer in \\boxed{}.",
     ) -> None:
-        rows = read_rows(path or SAMPLE_FILE, "env.kwargs.path")
+        rows = cached_rows(str(path or SAMPLE_FILE), "env.kwargs.path")
         require_columns(rows, [question_key, answer_key], f"MathEnv file {path or SAMPLE_FILE}")
-        eval_rows = read_rows(eval_path, "env.kwargs.eval_path") if eval_path is not None else None
+        eval_rows = cached_rows(eval_path, "env.kwargs.eval_path") if eval_path is not None else None
         self.train, self.eval = split_rows(rows, eval_rows, eval_fraction)
         self.question_key, self.answer_key, self.instruction = question_key, answer_key, instruction
         self.row: dict[str, Any] | None = None
