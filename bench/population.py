@@ -6,8 +6,8 @@ Two arms on the default arithmetic task (tiny model, GRPO, 16 prompts x 8 per st
 starting from ``--init-lr`` (deliberately poor) over the same space, lr in [1e-5, 1e-2]:
 
 - **population**: one run of ``--members`` LoRA members on one base, all at ``--init-lr``,
-  evolved every ``--evolve-every`` steps (fitness: greedy accuracy on the first ``--eval-rows``
-  held-out problems; tournament selection with elitism; lr mutated x2 or /2). Steps to target:
+  evolved every ``--evolve-every`` steps (fitness ``--fitness``, default greedy accuracy, on the
+  first ``--eval-rows`` held-out problems; tournament selection with elitism; lr mutated x2 or /2). Steps to target:
   the global step (all members together) of the first evolution whose best fitness reaches
   ``--target``.
 - **optuna**: a TPE search (seeded), whose first trial is ``--init-lr``; each trial is a full
@@ -93,6 +93,7 @@ def population_arm(args: argparse.Namespace, seed: int, out: Path) -> dict[str, 
             f"algo.lr={args.init_lr}",
             f"population.size={args.members}",
             f"population.evolve_every={args.evolve_every}",
+            f"population.fitness={args.fitness}",
             f"population.eval_rows={args.eval_rows}",
             f"population.mutate={space}",
             f"trainer.max_steps={args.budget}",
@@ -164,6 +165,9 @@ def main() -> None:
     )
     ap.add_argument("--members", type=int, default=4)
     ap.add_argument("--evolve-every", type=int, default=40)
+    ap.add_argument(
+        "--fitness", default="accuracy_greedy", help="the population's fitness (the target is greedy)"
+    )
     ap.add_argument("--budget", type=int, default=2800, help="population: global steps at most")
     ap.add_argument("--trial-steps", type=int, default=700)
     ap.add_argument("--eval-every", type=int, default=50)

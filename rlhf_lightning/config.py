@@ -336,8 +336,11 @@ class PopulationConfig:
     """Population training with evolution (``rlhf_lightning/population``); size 1 is off."""
 
     size: int = 1
-    evolve_every: int | None = None  # training steps (all members together); default 10 x size; 0: never
-    fitness: str = "accuracy_greedy"  # accuracy_greedy | accuracy_sampled | return_greedy | return_sampled
+    # Training steps (all members together) between evolutions; default 50 x size; 0: never.
+    evolve_every: int | None = None
+    # accuracy_sampled | accuracy_greedy | return_sampled | return_greedy. Greedy fitness on short
+    # horizons selected ever smaller learning rates (README, "Population training").
+    fitness: str = "accuracy_sampled"
     eval_rows: int = 100  # held-out rows each member is scored on
     tournament_size: int = 2
     elitism: bool = True  # the fittest member survives unchanged

@@ -190,7 +190,7 @@ def population_callback(p: DictConfig, output_dir: Path, seed: int) -> Populatio
     space = {name: MutationRange(**dict(r)) for name, r in (p.mutate or DEFAULT_SPACE).items()}
     return Population(
         p.size,
-        p.evolve_every if p.evolve_every is not None else 10 * p.size,
+        p.evolve_every if p.evolve_every is not None else 50 * p.size,
         space,
         output_dir,
         fitness=p.fitness,

@@ -361,7 +361,7 @@ def validate_population(p: DictConfig, spec: Any) -> None:
         p.size,
         "1 for SFT and DPO: populations train rollout algorithms",
     )
-    every = p.evolve_every if p.evolve_every is not None else 10 * p.size
+    every = p.evolve_every if p.evolve_every is not None else 50 * p.size
     check(
         every >= 0 and every % p.size == 0,
         "population.evolve_every",

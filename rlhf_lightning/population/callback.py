@@ -32,7 +32,7 @@ from rlhf_lightning.algorithms.evaluation import episode_success
 from rlhf_lightning.algorithms.schedule import warmup_cosine
 from rlhf_lightning.population.evolution import MUTABLE, MutationRange, mutate, tournament_select
 
-FITNESS = ("accuracy_greedy", "accuracy_sampled", "return_greedy", "return_sampled")
+FITNESS = ("accuracy_sampled", "accuracy_greedy", "return_sampled", "return_greedy")
 LINEAGE_FIELDS = ["step", "slot", "id", "parent", "event", "mutation", "parent_fitness", *MUTABLE]
 
 
@@ -67,7 +67,7 @@ class Population(L.Callback):
     size: members.
     evolve_every: training steps between evolutions (a multiple of ``size``; 0: never).
     space: the mutation range of each evolved hyper-parameter.
-    fitness: ``accuracy_greedy`` | ``accuracy_sampled`` | ``return_greedy`` | ``return_sampled``.
+    fitness: ``accuracy_sampled`` | ``accuracy_greedy`` | ``return_sampled`` | ``return_greedy``.
     eval_rows: held-out rows each member is scored on.
     tournament_size, elitism, no_mutation_prob: selection and mutation (``evolution.py``).
     mutate_initial: mutate members 1..N-1 once at the start (member 0 keeps the config's values).
@@ -82,7 +82,7 @@ class Population(L.Callback):
         evolve_every: int,
         space: dict[str, MutationRange],
         output_dir: str | Path,
-        fitness: str = "accuracy_greedy",
+        fitness: str = "accuracy_sampled",
         eval_rows: int = 100,
         tournament_size: int = 2,
         elitism: bool = True,
