@@ -149,3 +149,12 @@ def test_train_from_a_local_parquet_in_gsm8k_schema(gsm8k_files, tmp_path):
     assert sum(1 for r in rows if r.get("rollout/reward_mean")) == 2
     evals = [r for r in rows if r.get("eval/accuracy_greedy")]
     assert evals and all(0.0 <= float(r["eval/accuracy_greedy"]) <= 1.0 for r in evals)
+
+
+def test_each_split_is_loaded_once_per_process(gsm8k_files):
+    train, test = gsm8k_files
+    load_rows.cache_clear()
+    for _ in range(5):  # the harness builds one env per episode
+        DatasetEnv(str(train), eval_path=str(test), eval_split="train")
+    info = load_rows.cache_info()
+    assert (info.misses, info.hits) == (2, 8)  # train and eval read once each

@@ -233,3 +233,21 @@ def test_every_mutable_hyper_parameter_of_grpo_takes_effect(tmp_path):
     lineage = list(csv.DictReader((tmp_path / "r" / "lineage.csv").open()))
     changed = {r["mutation"].split(" ")[0] for r in lineage if r["mutation"] != "none"}
     assert len(changed) >= 3  # several of the four were mutated along the way
+
+
+def test_ranks_that_disagree_after_selection_stop_the_run():
+    class FakeModule:
+        world_size, device = 2, "cpu"
+
+        def all_gather(self, t):
+            other = t.clone()
+            other[0, 1] += 1e-3  # rank 1 drew another lr
+            return torch.stack([t, other])
+
+    pop = Population(2, 2, {}, "/tmp/unused")
+    pop.module = FakeModule()
+    pop.members = [Member(0, {"lr": 1e-3}, [], {}, {}), Member(1, {"lr": 2e-3}, [], {}, {})]
+    with pytest.raises(RuntimeError, match="ranks disagree after selection"):
+        pop.check_ranks_agree()
+    FakeModule.all_gather = lambda self, t: torch.stack([t, t.clone()])
+    pop.check_ranks_agree()  # the same population everywhere: nothing to say
