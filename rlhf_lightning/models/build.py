@@ -160,7 +160,7 @@ def load_model(
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     if quantization is not None:
-        kwargs.update(quantized_load_kwargs(quantization, quant_type, double_quant, compute_dtype))
+        kwargs.update(quantized_load_kwargs(quantization, quant_type, double_quant, DTYPES[compute_dtype]))
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except OSError as err:

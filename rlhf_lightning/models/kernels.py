@@ -81,13 +81,14 @@ def quantization_config(
     return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=["lm_head"])
 
 
-def quantized_load_kwargs(quantization: str, quant_type: str, double_quant: bool, compute_dtype: str) -> dict:
+def quantized_load_kwargs(
+    quantization: str, quant_type: str, double_quant: bool, compute_dtype: torch.dtype
+) -> dict:
     """``from_pretrained`` keywords: the quantisation config, on this process's GPU."""
-    dtype = {"float16": torch.float16, "float32": torch.float32}.get(compute_dtype, torch.bfloat16)
     return {
-        "quantization_config": quantization_config(quantization, quant_type, double_quant, dtype),
+        "quantization_config": quantization_config(quantization, quant_type, double_quant, compute_dtype),
         "device_map": {"": int(os.environ.get("LOCAL_RANK", 0))},
-        "dtype": dtype,
+        "dtype": compute_dtype,
     }
 
 

@@ -20,7 +20,7 @@ import dataclasses
 import functools
 import random
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -47,7 +47,6 @@ class Member:
     scheduler: dict[str, Any]
     parent: int | None = None
     fitness: float | None = None
-    history: list[float] = field(default_factory=list)
 
     def clone(self, new_id: int) -> Member:
         """An independent copy (tensors cloned, nothing shared) with a new id, parented here."""
@@ -299,11 +298,9 @@ class Population(L.Callback):
         return out
 
     def evolve(self, trainer: L.Trainer) -> None:
-        fitness = self.score(trainer)
-        self.store()
+        fitness = self.score(trainer)  # scoring stored every member it swapped out; none trained since
         for m, f in zip(self.members, fitness):
             m.fitness = f
-            m.history.append(f)
         step = trainer.global_step
         parents = tournament_select(fitness, self.rng, self.tournament_size, self.elitism)
         new: list[Member] = []

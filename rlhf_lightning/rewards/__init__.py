@@ -59,13 +59,12 @@ class FunctionReward:
 
     def score(self, episodes: Sequence[Episode], device: Any) -> list[float]:
         shared = set.intersection(*(set(e.columns) for e in episodes)) if episodes else set()
-        columns = {k: [e.columns[k] for e in episodes] for k in sorted(shared)}
-        columns.pop("replies", None)
+        shared -= {"prompts", "completions", "replies"}  # the function's own arguments win
         out = self.fn(
             prompts=[e.prompt for e in episodes],
             completions=[e.replies[-1] if e.replies else "" for e in episodes],
             replies=[list(e.replies) for e in episodes],
-            **{k: v for k, v in columns.items() if k not in ("prompts", "completions")},
+            **{k: [e.columns[k] for e in episodes] for k in sorted(shared)},
         )
         return checked_scores(out, len(episodes), f"reward.fn={self.path}")
 

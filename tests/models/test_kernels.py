@@ -59,7 +59,7 @@ def test_bitsandbytes_config_keeps_the_lm_head_unquantised(monkeypatch):
     eight = quantization_config("8bit")
     assert eight.load_in_8bit and eight.llm_int8_skip_modules == ["lm_head"]
     monkeypatch.setenv("LOCAL_RANK", "3")
-    kwargs = quantized_load_kwargs("4bit", "nf4", True, "bfloat16")
+    kwargs = quantized_load_kwargs("4bit", "nf4", True, torch.bfloat16)
     assert kwargs["device_map"] == {"": 3} and kwargs["dtype"] == torch.bfloat16
     assert kwargs["quantization_config"].bnb_4bit_use_double_quant
 
