@@ -44,20 +44,28 @@ def local_part(t: torch.Tensor) -> torch.Tensor:
 
 
 def sync_gradients(params: Sequence[torch.nn.Parameter], world_size: int) -> None:
-    """Average the gradients of ``params`` over ranks in one flat all-reduce (a missing gradient
-    counts as zeros). Called once per optimizer step on every rank. Sharded parameters are left
-    out: FSDP2 reduce-scattered (averaged) their gradients in the backward passes."""
+    """Average the gradients of ``params`` over ranks in one flat all-reduce. Called once per
+    optimizer step on every rank. Sharded parameters are left out: FSDP2 reduce-scattered
+    (averaged) their gradients in the backward passes.
+
+    A rank without a gradient for a parameter contributes zeros; a parameter that no rank has a
+    gradient for keeps ``grad = None``, as it would in one process, so the optimizer skips it
+    (AdamW neither counts a step nor decays it). A has-gradient flag per parameter travels in
+    the same all-reduce.
+    """
     params = [p for p in params if not is_dtensor(p)]
     if not is_distributed(world_size) or not params:
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1).float() for g in grads])
+    has_grad = torch.tensor([float(p.grad is not None) for p in params], device=grads[0].device)
+    flat = torch.cat([*(g.reshape(-1).float() for g in grads), has_grad])
     dist.all_reduce(flat)
-    flat /= world_size
+    produced = flat[-len(params) :] > 0  # (n_params,) some rank had a gradient
+    flat = flat[: -len(params)] / world_size
     offset = 0
-    for p in params:
+    for p, keep in zip(params, produced.tolist()):
         n = p.numel()
-        p.grad = flat[offset : offset + n].view_as(p).to(p.dtype).clone()
+        p.grad = flat[offset : offset + n].view_as(p).to(p.dtype).clone() if keep else None
         offset += n
 
 

@@ -3,11 +3,11 @@ launcher starts the other ranks by running it again). Used by test_distributed.p
 
     python tests/algorithms/ddp_worker.py SPEC.json
 
-SPEC: {"overrides": [...], "devices": N, "out": path, "trajectories": path (online) | null,
-"steps": 1, "strategy": "ddp" | "fsdp"}. Online: rank r trains on its contiguous share of the saved trajectories' groups.
+SPEC: {"overrides": [...], "devices": N, "out": path, "trajectories": path or [path per step, cycled]
+(online) | null, "steps": 1, "strategy": "ddp" | "fsdp"}. Online: rank r trains on its contiguous share of the saved trajectories' groups.
 Offline: rank r takes its share of the first ``algo.batch_size`` training rows. Rank 0 saves
 the trainable parameters, the averaged gradients of each optimizer step (before clipping)
-and the logged metrics to ``out``.
+the logged metrics of every step and the optimizer's state to ``out``.
 """
 
 from __future__ import annotations
@@ -40,10 +40,12 @@ def main(spec_path: str) -> None:
     L.seed_everything(cfg.seed)
     module, dm = build(cfg, Path(spec["out"]).parent)
     if spec.get("trajectories"):
-        trajectories = torch.load(spec["trajectories"], weights_only=False)
-        groups = sorted({t.group_id for t in trajectories})
+        paths = spec["trajectories"] if isinstance(spec["trajectories"], list) else [spec["trajectories"]]
+        per_step = [torch.load(p, weights_only=False) for p in paths]
 
-        def collect(rows):  # this rank's contiguous share of the groups
+        def collect(rows):  # this rank's contiguous share of the groups of this step's batch
+            trajectories = per_step[module.trainer.global_step % len(per_step)]
+            groups = sorted({t.group_id for t in trajectories})
             r = module.trainer.global_rank
             share = len(groups) // world
             mine = [t for t in trajectories if t.group_id in groups[r * share : (r + 1) * share]]
@@ -82,6 +84,12 @@ def main(spec_path: str) -> None:
         return original(optimizer)
 
     module.clip_gradients_ = record
+    step_metrics: list[dict[str, float]] = []
+
+    class Record(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            step_metrics.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
     timeout = timedelta(seconds=120)
     strategy = DDPStrategy(timeout=timeout) if world > 1 else "auto"
     if spec.get("strategy") == "fsdp":
@@ -98,14 +106,25 @@ def main(spec_path: str) -> None:
         enable_model_summary=False,
         limit_val_batches=0,
         num_sanity_val_steps=0,
+        callbacks=[Record()],
     )
     trainer.fit(module, datamodule=dm)
     params = {n: full(p) for n, p in module.named_parameters() if p.requires_grad}
+    names = {id(p): n for n, p in module.named_parameters()}
+    optimizer = module.optimizers().optimizer
+    adam = {  # the optimizer's per-parameter state, by parameter name (no state: never stepped)
+        names[id(p)]: {k: full(v) if torch.is_tensor(v) else v for k, v in optimizer.state[p].items()}
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if p in optimizer.state
+    }
     if trainer.is_global_zero:
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
         out = {
             "params": params,
             "grads": grads,
+            "adam": adam,
+            "step_metrics": step_metrics,
             "metrics": metrics,
             "world": trainer.world_size,
             "sharded": module.sharded,

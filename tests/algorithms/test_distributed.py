@@ -25,7 +25,13 @@ BASE = [o for o in FAST if not o.startswith("algo.")]
 
 
 def run_worker(
-    tmp_path: Path, name: str, overrides: list[str], devices: int, trajectories=None, strategy: str = "ddp"
+    tmp_path: Path,
+    name: str,
+    overrides: list[str],
+    devices: int,
+    trajectories=None,
+    strategy: str = "ddp",
+    steps: int = 1,
 ) -> dict:
     out = tmp_path / f"{name}_{devices}_{strategy}.pt"
     spec = {
@@ -34,6 +40,7 @@ def run_worker(
         "out": str(out),
         "trajectories": trajectories,
         "strategy": strategy,
+        "steps": steps,
     }
     spec_path = tmp_path / f"{name}_{devices}_{strategy}.json"
     spec_path.write_text(json.dumps(spec))
@@ -140,3 +147,75 @@ def test_offline_two_ranks_update_like_one_rank(tmp_path, overrides, strategy):
     two = run_worker(tmp_path, overrides[len(BASE)][5:], overrides, 2, strategy=strategy)
     assert two["sharded"] == (strategy == "fsdp")
     assert_same_update(one, two)
+
+
+def adam_state_diff(a: dict, b: dict) -> float:
+    """AdamW's per-parameter state compared by name: the same parameters have state (one never
+    stepped has none) with the same ``step`` count (bias correction); returns the largest
+    difference of the first moments (averages of gradients, so comparable to them)."""
+    assert a["adam"].keys() == b["adam"].keys()
+    diffs = [0.0]
+    for name, state in a["adam"].items():
+        assert float(state["step"]) == float(b["adam"][name]["step"]), name
+        diffs.append(float((state["exp_avg"] - b["adam"][name]["exp_avg"]).abs().max()))
+    return max(diffs)
+
+
+@pytest.fixture(scope="module")
+def flat_rewards(tmp_path_factory, trajectories) -> str:
+    """The same 32 trajectories with every reward 1: every GRPO advantage is 0, so no row trains
+    and no parameter gets a gradient on any rank."""
+    items = torch.load(trajectories, weights_only=False)
+    for t in items:
+        t.rewards = [1.0]
+    path = tmp_path_factory.mktemp("flat") / "flat.pt"
+    torch.save(items, path)
+    return str(path)
+
+
+def test_a_parameter_without_gradient_on_every_rank_is_not_stepped(tmp_path, trajectories, flat_rewards):
+    """Step 1 has no gradient anywhere (all advantages 0), step 2 a real one. One process skips
+    step 1 in AdamW (no state, no decay); two processes must too: zeros in place of missing
+    gradients would count a step (bias correction) and decay the weights."""
+    overrides = [
+        *BASE,
+        "algo.prompts_per_step=8",
+        "algo.group_size=4",
+        "algo.lr=1e-5",
+        "algo.weight_decay=0.1",
+    ]
+    spec = [flat_rewards, trajectories]
+    one = run_worker(tmp_path, "nograd", overrides, 1, spec, steps=2)
+    two = run_worker(tmp_path, "nograd", overrides, 2, spec, steps=2)
+    steps = {float(s["step"]) for s in one["adam"].values()}
+    assert steps == {1.0}, steps  # one process: only step 2 counted
+    assert adam_state_diff(one, two) <= 1e-6
+    assert max_param_diff(one, two) <= 1e-7
+
+
+def test_ppo_critic_warmup_two_ranks_like_one_over_15_steps(tmp_path, trajectories):
+    """PPO's default critic warm-up (10 steps without actor gradients), then 5 actor updates:
+    the actor's AdamW state counts its own 5 steps on both, and every update matches."""
+    overrides = [
+        *BASE,
+        "algo=ppo",
+        "algo.prompts_per_step=8",
+        "algo.group_size=4",
+        "algo.critic_warmup_steps=10",
+        "algo.lr=1e-5",
+        "algo.weight_decay=0.01",
+        # The critic's first LoRA gradients are ~1e-8 (its B starts at 0), where Adam's step
+        # lr * m / (sqrt(v) + eps) turns the reduction order's float noise into ~lr: a larger
+        # eps keeps the comparison about the update rule, not about float summation order.
+        "algo.adam_eps=1e-6",
+    ]
+    one = run_worker(tmp_path, "ppo_warmup", overrides, 1, trajectories, steps=15)
+    two = run_worker(tmp_path, "ppo_warmup", overrides, 2, trajectories, steps=15)
+    actor_steps = {float(s["step"]) for n, s in one["adam"].items() if ".actor." in n}
+    assert actor_steps == {5.0}, actor_steps
+    assert adam_state_diff(one, two) <= 1e-6
+    assert max_grad_diff(one, two) <= 1e-6
+    assert max_param_diff(one, two) <= 1e-6
+    assert len(one["step_metrics"]) == len(two["step_metrics"]) == 15
+    for m1, m2 in zip(one["step_metrics"], two["step_metrics"]):  # the global norm, step by step
+        assert m2["actor/grad_norm"] == pytest.approx(m1["actor/grad_norm"], rel=1e-5)
