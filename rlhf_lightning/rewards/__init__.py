@@ -4,21 +4,34 @@ A training episode's reward is ``weights[env] * (the env's per-turn rewards)`` p
 turn, the weighted sum of the other components' scores (one per episode). Evaluation keeps the
 env's rewards: its accuracy stays the env's ground truth whatever the training reward is.
 
-A component scores a whole batch: ``score(episodes, device) -> list[float]``.
+A component scores a whole batch: ``score(episodes, device) -> list[float]``, raw. Its
+``normalize`` says whether the training step standardises those scores over the global batch
+(``batch``, once per step over every rank and every rollout round: see
+:meth:`CombinedReward.finalize`) or uses them as they are (``none``).
 """
 
 from __future__ import annotations
 
+import copy
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import torch
 from hydra.utils import get_object
 
 from rlhf_lightning.validation import ConfigError
 
 SOURCES = ("env", "function", "model")
+NORMALIZE = ("none", "batch")
+# The keyword arguments a reward function gets besides the env's columns; a column of the same
+# name is not passed (the function's own argument wins).
+RESERVED = ("prompts", "completions", "replies")
+SIGNATURE = "fn(prompts, completions, **kwargs) -> list[float]"
+# Batch standardisation: (x - mean) / (std + STD_EPS), std unbiased (n - 1), as torch.std.
+STD_EPS = 1e-6
 
 
 @dataclass
@@ -33,16 +46,50 @@ class Episode:
 
 class RewardComponent(Protocol):
     name: str
+    normalize: str  # none | batch (standardised over the global batch by CombinedReward.finalize)
 
     def score(self, episodes: Sequence[Episode], device: Any) -> list[float]: ...
 
 
+def accepted_keywords(fn: Callable[..., Any], path: str) -> frozenset[str] | None:
+    """The keyword arguments ``fn`` takes, None when it takes any (``**kwargs``) or its signature
+    cannot be read (a builtin: its call is checked instead).
+
+    Raises ConfigError, at start-up rather than at the first rollout, when ``fn`` cannot be called
+    as ``fn(prompts=..., completions=..., ...)``: it lacks ``prompts`` or ``completions`` (and
+    ``**kwargs``), or needs a positional-only argument.
+    """
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    kinds = inspect.Parameter
+    named = frozenset(p.name for p in params if p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY))
+    any_keyword = any(p.kind == kinds.VAR_KEYWORD for p in params)
+    positional = [p.name for p in params if p.kind == kinds.POSITIONAL_ONLY and p.default is p.empty]
+    missing = [] if any_keyword else [k for k in ("prompts", "completions") if k not in named]
+    if positional or missing:
+        problem = f"needs positional-only {positional}" if positional else f"takes no {missing}"
+        raise ConfigError(
+            "reward.fn",
+            path,
+            f"a function {SIGNATURE} (called with keywords prompts, completions, replies and the "
+            f"env's columns); {path} has the signature {inspect.signature(fn)}, which {problem}",
+        )
+    return None if any_keyword else named
+
+
 class FunctionReward:
-    """A user function, TRL-style: ``fn(prompts, completions, **columns) -> list[float]``.
+    """A user function, TRL-style: ``fn(prompts, completions, **kwargs) -> list[float]``.
 
     ``completions`` are the final replies; ``replies`` (each episode's list of replies) and the
     env's reset-info columns present in every episode (a dataset env's row) come as keywords.
+    A function without ``**kwargs`` gets only the keywords it names. Every call gets deep copies
+    of the prompts and columns: a function that mutates them cannot change the dataset's rows,
+    other episodes or later steps.
     """
+
+    normalize = "none"
 
     def __init__(self, path: str) -> None:
         try:
@@ -53,38 +100,104 @@ class FunctionReward:
             ) from None
         if not callable(fn):
             raise ConfigError("reward.fn", path, f"a callable, not a {type(fn).__name__}")
-        self.fn: Callable[..., Sequence[float]] = fn
+        self.keywords = accepted_keywords(fn, path)
+        self.fn: Callable[..., Any] = fn
         self.name = getattr(fn, "__name__", path.rsplit(".", 1)[-1])
         self.path = path
 
-    def score(self, episodes: Sequence[Episode], device: Any) -> list[float]:
+    def arguments(self, episodes: Sequence[Episode]) -> dict[str, list[Any]]:
+        """The keyword arguments of one call (fresh copies: see the class docstring)."""
         shared = set.intersection(*(set(e.columns) for e in episodes)) if episodes else set()
-        shared -= {"prompts", "completions", "replies"}  # the function's own arguments win
-        out = self.fn(
-            prompts=[e.prompt for e in episodes],
-            completions=[e.replies[-1] if e.replies else "" for e in episodes],
-            replies=[list(e.replies) for e in episodes],
-            **{k: [e.columns[k] for e in episodes] for k in sorted(shared)},
-        )
+        shared -= set(RESERVED)
+        kwargs: dict[str, list[Any]] = {
+            "prompts": copy.deepcopy([e.prompt for e in episodes]),
+            "completions": [e.replies[-1] if e.replies else "" for e in episodes],
+            "replies": [list(e.replies) for e in episodes],
+            **{k: copy.deepcopy([e.columns[k] for e in episodes]) for k in sorted(shared)},
+        }
+        if self.keywords is None:
+            return kwargs
+        absent = sorted(self.required() - set(kwargs))
+        if absent:
+            raise ValueError(
+                f"reward.fn={self.path} takes {absent}, which are neither {list(RESERVED)} nor "
+                f"columns of every episode (the columns are {sorted(shared)}); give those "
+                "arguments defaults or take **kwargs"
+            )
+        return {k: v for k, v in kwargs.items() if k in self.keywords}
+
+    def required(self) -> set[str]:
+        """The named arguments without a default."""
+        params = inspect.signature(self.fn).parameters.values()
+        return {p.name for p in params if p.default is p.empty and p.kind != p.VAR_POSITIONAL}
+
+    def score(self, episodes: Sequence[Episode], device: Any) -> list[float]:
+        kwargs = self.arguments(episodes)
+        try:
+            out = self.fn(**kwargs)
+        except Exception as err:
+            raise RuntimeError(
+                f"reward.fn={self.path} (the reward function {self.name}) raised "
+                f"{type(err).__name__}: {err} while scoring {len(episodes)} completions"
+            ) from err
         return checked_scores(out, len(episodes), f"reward.fn={self.path}")
 
 
 def checked_scores(out: Any, n: int, source: str) -> list[float]:
-    """``out`` as ``n`` finite floats, else an error naming ``source``."""
-    try:
-        values = [float(v) for v in out]
-    except (TypeError, ValueError) as err:
-        raise TypeError(f"{source} must return a list of {n} numbers, got {out!r:.200} ({err})") from None
-    if len(values) != n:
-        raise ValueError(f"{source} returned {len(values)} scores for {n} episodes")
-    bad = [v for v in values if not math.isfinite(v)]
+    """``out`` as ``n`` floats when it is a list, tuple, 1-d NumPy array or 1-d tensor of finite
+    real numbers (not bools, not strings), else an error naming ``source``."""
+    from rlhf_lightning.envs.harness import reward_value  # here: the harness imports this module
+
+    expected = (
+        f"{source} must return a list (or tuple, 1-d NumPy array, 1-d tensor) of {n} finite real "
+        "numbers, one per completion (not bools or strings)"
+    )
+    is_array = getattr(out, "ndim", None) == 1 and callable(getattr(out, "tolist", None))
+    if not (isinstance(out, list | tuple) or is_array):
+        raise TypeError(f"{expected}; it returned a {type(out).__name__}: {out!r:.200}")
+    items = list(out)
+    if len(items) != n:
+        raise ValueError(f"{source} returned {len(items)} scores for {n} episodes")
+    values = [reward_value(v) for v in items]
+    bad = [i for i, v in enumerate(values) if v is None]
     if bad:
-        raise ValueError(f"{source} returned non-finite scores {bad[:3]}")
-    return values
+        i = bad[0]
+        raise TypeError(
+            f"{expected}; {len(bad)} of its {n} scores are not, the first is score {i}: "
+            f"{items[i]!r:.80} ({type(items[i]).__name__})"
+        )
+    return [v for v in values if v is not None]
+
+
+def standardized(
+    raw: torch.Tensor, all_sum: Callable[[torch.Tensor], torch.Tensor], device: Any = "cpu"
+) -> torch.Tensor:
+    """Each row of ``raw`` standardised with its mean and std over every rank's values, in one
+    collective: ``(x - mean) / (std + STD_EPS)``, std unbiased (``n - 1``, like ``torch.std``;
+    0 for a single value, so a lone score becomes 0).
+
+    ``all_sum`` sums a tensor over ranks (the identity with one process); it gets one float64
+    tensor of shape (k, 3), per row ``[count, sum, sum of squares]``, on ``device``.
+    Shape: raw (k, n) -> (k, n), float64. Notation: k components, n this rank's episodes.
+    """
+    raw = raw.to(torch.float64)
+    count = torch.full((raw.shape[0],), float(raw.shape[1]), dtype=torch.float64)
+    local = torch.stack([count, raw.sum(1), raw.square().sum(1)], 1)
+    stats = all_sum(local.to(device)).to("cpu", torch.float64)  # (k, 3)
+    count, total, squares = stats.unbind(1)
+    mean = total / count.clamp(min=1)
+    var = (squares - count * mean.square()).clamp(min=0) / (count - 1).clamp(min=1)
+    return (raw - mean[:, None]) / (var.sqrt()[:, None] + STD_EPS)
 
 
 class CombinedReward:
-    """The training reward from the env and the configured components, with their weights."""
+    """The training reward from the env and the configured components, with their weights.
+
+    Two calls per training step: :meth:`apply` after each rollout (several with dynamic
+    sampling: it writes rewards from the raw scores, which is what groups are filtered on), then
+    :meth:`finalize` once on the step's final batch (it standardises ``normalize=batch``
+    components over the whole global batch and rewrites the rewards).
+    """
 
     def __init__(self, components: list[RewardComponent], weights: dict[str, float], use_env: bool) -> None:
         names = (["env"] if use_env else []) + [c.name for c in components]
@@ -95,29 +208,78 @@ class CombinedReward:
             raise ConfigError(
                 "reward.weights", dict(weights), f"keys among the components {names}: {unknown}"
             )
+        for c in components:
+            if getattr(c, "normalize", "none") not in NORMALIZE:
+                raise ConfigError("reward.normalize", c.normalize, f"one of {', '.join(NORMALIZE)}")
         self.components = components
         self.env_weight = weights.get("env", 1.0) if use_env else 0.0
         self.weights = {c.name: weights.get(c.name, 1.0) for c in components}
 
     def apply(self, trajectories: Sequence[Any], device: Any = "cpu") -> dict[str, float]:
-        """Rewrite each trajectory's per-turn rewards in place; returns ``reward/<name>`` means."""
-        n = len(trajectories)
+        """Score ``trajectories`` and write their rewards from the raw scores, in place.
+
+        Keeps each one's env rewards in ``t.env_rewards`` (the first time) and each component's
+        raw score in ``t.reward_parts[name]``, for :meth:`finalize`. Returns this call's
+        ``reward/<name>`` means.
+        """
+        for t in trajectories:
+            if not t.env_rewards:
+                t.env_rewards = list(t.rewards)
         episodes = [
-            Episode(t.observation, list(t.replies), dict(t.task_info), float(sum(t.rewards)))
+            Episode(t.observation, list(t.replies), dict(t.task_info), float(sum(t.env_rewards)))
             for t in trajectories
         ]
-        metrics = {"reward/env": sum(e.env_return for e in episodes) / max(n, 1)}
-        extra = [0.0] * n
         for comp in self.components:
-            scores = comp.score(episodes, device)
-            metrics[f"reward/{comp.name}"] = sum(scores) / max(n, 1)
-            w = self.weights[comp.name]
-            extra = [x + w * s for x, s in zip(extra, scores)]
-        for t, x in zip(trajectories, extra):
-            t.rewards = [self.env_weight * r for r in t.rewards] or [0.0]
-            t.rewards[-1] += x
-        metrics["reward/total"] = sum(sum(t.rewards) for t in trajectories) / max(n, 1)
-        return metrics
+            for t, s in zip(trajectories, comp.score(episodes, device)):
+                t.reward_parts[comp.name] = s
+        for t in trajectories:
+            t.rewards = self.combined(t.env_rewards, t.reward_parts)
+        return self.metrics(trajectories)
+
+    def finalize(
+        self,
+        trajectories: Sequence[Any],
+        all_sum: Callable[[torch.Tensor], torch.Tensor],
+        device: Any = "cpu",
+    ) -> dict[str, float]:
+        """The step's rewards, written in place: ``normalize=batch`` scores standardised over the
+        final global batch (every round of this step, every rank: :func:`standardized`).
+
+        Called once per training step, after the last rollout, on every rank (one collective
+        when a component normalises, none otherwise). ``all_sum`` sums a tensor over ranks;
+        ``device`` is where its input goes (the trainer's device under NCCL). Returns
+        ``reward/env``, ``reward/<name>`` (raw score means) and ``reward/total`` (the training
+        return) over this rank's trajectories.
+        """
+        missing = [c.name for c in self.components if any(c.name not in t.reward_parts for t in trajectories)]
+        if missing:
+            raise RuntimeError(f"CombinedReward.finalize: no {missing} scores; apply must run first")
+        parts = [dict(t.reward_parts) for t in trajectories]
+        batch = [c.name for c in self.components if getattr(c, "normalize", "none") == "batch"]
+        if batch:
+            raw = torch.tensor([[p[name] for p in parts] for name in batch], dtype=torch.float64)
+            raw = raw.reshape(len(batch), len(parts))  # (k, n), also for n = 0
+            for name, row in zip(batch, standardized(raw, all_sum, device).tolist()):
+                for p, value in zip(parts, row):
+                    p[name] = value
+        for t, p in zip(trajectories, parts):
+            t.rewards = self.combined(t.env_rewards, p)
+        return self.metrics(trajectories)
+
+    def combined(self, env_rewards: Sequence[float], parts: dict[str, float]) -> list[float]:
+        """Per-turn rewards: the weighted env rewards, plus the weighted scores on the last turn."""
+        rewards = [self.env_weight * r for r in env_rewards] or [0.0]
+        rewards[-1] += sum(w * parts[name] for name, w in self.weights.items())
+        return rewards
+
+    def metrics(self, trajectories: Sequence[Any]) -> dict[str, float]:
+        """Means over ``trajectories``: env return, each component's raw score, training return."""
+        n = max(len(trajectories), 1)
+        out = {"reward/env": sum(math.fsum(t.env_rewards) for t in trajectories) / n}
+        for name in self.weights:
+            out[f"reward/{name}"] = sum(t.reward_parts[name] for t in trajectories) / n
+        out["reward/total"] = sum(math.fsum(t.rewards) for t in trajectories) / n
+        return out
 
 
 def build_reward(

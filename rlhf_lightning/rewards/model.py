@@ -27,7 +27,9 @@ class ModelReward:
         path: a local directory or Hub id of an ``AutoModelForSequenceClassification``.
         batch_size: episodes per forward pass.
         max_len: tokens kept per episode (cut from the left, so the reply stays whole).
-        normalize: ``none`` or ``batch`` (scores standardised over the rollout batch).
+        normalize: ``none`` or ``batch``: ``score`` returns raw scores either way; with ``batch``
+            the training step standardises them over its whole global batch, once (every rank,
+            every dynamic-sampling round: ``CombinedReward.finalize``).
         offload: keep the model on the CPU except while scoring.
         dtype: the model's dtype (``float32``, ``bfloat16``, ``float16``).
     """
@@ -61,7 +63,17 @@ class ModelReward:
         self.tokenizer.truncation_side = "left"
         self.tokenizer.padding_side = "right"
         if self.tokenizer.pad_token is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token or self.tokenizer.unk_token
+            fallback = self.tokenizer.eos_token or self.tokenizer.unk_token
+            if fallback is None:
+                raise ConfigError(
+                    "reward.model_path",
+                    path,
+                    "a reward model whose tokenizer has a pad, eos or unk token (episodes are "
+                    "padded into batches); this one has none: set one and save it, e.g. "
+                    "tok.add_special_tokens({'pad_token': '[PAD]'}); model.resize_token_embeddings"
+                    "(len(tok)); tok.save_pretrained(DIR); model.save_pretrained(DIR)",
+                )
+            self.tokenizer.pad_token = fallback
         model = AutoModelForSequenceClassification.from_pretrained(
             path, torch_dtype=DTYPES[dtype], trust_remote_code=trust_remote_code
         )
@@ -109,6 +121,4 @@ class ModelReward:
             if self.offload:
                 self.model.to("cpu")
         out = torch.cat(scores) if scores else torch.zeros(0)
-        if self.normalize == "batch" and len(out) > 1:
-            out = (out - out.mean()) / (out.std() + 1e-6)
-        return out.tolist()
+        return out.tolist()  # raw: normalize=batch is applied over the step's global batch

@@ -179,9 +179,35 @@ def test_reward_model_batches_equal_one_by_one_scores(tmp_path, with_template):
         with torch.no_grad():
             expected = model(input_ids=ids).logits[0, 0].item()  # one sequence: no padding at all
         assert score == pytest.approx(expected, abs=1e-5)
-    normalized = ModelReward(str(path), normalize="batch").score(episodes, "cpu")
-    t = torch.tensor(scores, dtype=torch.float64)
-    assert normalized == pytest.approx(((t - t.mean()) / (t.std() + 1e-6)).tolist(), abs=1e-5)
+    # normalize=batch: score stays raw; the step's finalize standardises (tests/rewards/test_normalize.py)
+    batch_rm = ModelReward(str(path), normalize="batch")
+    assert batch_rm.normalize == "batch"
+    assert batch_rm.score(episodes, "cpu") == pytest.approx(scores, abs=1e-6)
+    trajs = [traj([0.0], e.replies) for e in episodes]
+    for t, e in zip(trajs, episodes):
+        t.observation = e.prompt
+    reward = CombinedReward([batch_rm], {}, use_env=False)
+    reward.apply(trajs)
+    reward.finalize(trajs, lambda x: x)
+    n = len(scores)
+    mean = sum(scores) / n
+    std = (sum((s - mean) ** 2 for s in scores) / (n - 1)) ** 0.5
+    assert [t.rewards[-1] for t in trajs] == pytest.approx(
+        [(s - mean) / (std + 1e-6) for s in scores], abs=1e-5
+    )
+
+
+def test_reward_model_tokenizer_without_pad_eos_or_unk_is_refused_with_the_fix(tmp_path):
+    vocab = {c: i for i, c in enumerate("abc")}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="a"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    bare = PreTrainedTokenizerFast(tokenizer_object=tok)  # no pad, eos or unk token
+    GPT2ForSequenceClassification(
+        GPT2Config(vocab_size=3, n_embd=16, n_layer=1, n_head=2, num_labels=1)
+    ).save_pretrained(tmp_path)
+    bare.save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match=r"reward\.model_path=.*pad, eos or unk token.*add_special_tokens"):
+        ModelReward(str(tmp_path))
 
 
 def test_reward_model_with_several_outputs_is_refused(tmp_path):
