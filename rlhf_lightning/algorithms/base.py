@@ -22,7 +22,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from rlhf_lightning.algorithms.common import MetricAccumulator, Metrics, adamw_with_schedule
 from rlhf_lightning.algorithms.diagnostics import turn_metrics
-from rlhf_lightning.algorithms.distributed import agree_max
+from rlhf_lightning.algorithms.distributed import agree_max, all_sum
 from rlhf_lightning.algorithms.evaluation import RolloutEvaluation
 from rlhf_lightning.algorithms.liger_path import LigerObjective, use_liger
 from rlhf_lightning.algorithms.objective import (
@@ -34,7 +34,7 @@ from rlhf_lightning.algorithms.objective import (
     PolicyTerm,
 )
 from rlhf_lightning.envs.harness import RolloutHarness, RolloutResult
-from rlhf_lightning.envs.trajectory import TrajectoryBatch
+from rlhf_lightning.envs.trajectory import TrajectoryBatch, collate
 from rlhf_lightning.losses import kl
 from rlhf_lightning.losses.corrections import offpolicy_mask, overlong_penalty
 from rlhf_lightning.losses.kl import kl_penalized_returns, kl_shaped_advantages
@@ -108,7 +108,22 @@ class RolloutModule(RolloutEvaluation):
         self, traj: TrajectoryBatch, rewards: torch.Tensor, returns: torch.Tensor
     ) -> torch.Tensor:
         """Advantages per trajectory (B,) or per token (B, L-1) from the shaped per-turn rewards
-        (B, K) and episode returns (B,) (their sum, plus a KL penalty in ``kl_mode=reward``)."""
+        (B, K) and episode returns (B,) (their sum, plus a KL penalty in ``kl_mode=reward``).
+
+        With ``kl_mode=reward``, a family with ``per_token_kl_reward = True`` (PPO) is called
+        through :meth:`advantages_with_kl_rewards` instead."""
+        raise NotImplementedError
+
+    # Whether ``kl_mode=reward`` reaches the advantages per token (``-beta * kl_t`` as each
+    # token's reward) rather than summed into the returns (outcome-level advantages only see
+    # the sum anyway).
+    per_token_kl_reward = False
+
+    def advantages_with_kl_rewards(
+        self, traj: TrajectoryBatch, rewards: torch.Tensor, returns: torch.Tensor, kl_rewards: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`compute_advantages` with per-token rewards ``kl_rewards`` (B, L-1) on top of the
+        per-turn ``rewards`` (``returns`` without them); for ``per_token_kl_reward`` families."""
         raise NotImplementedError
 
     def policy_term(self) -> PolicyTerm:
@@ -170,6 +185,7 @@ class RolloutModule(RolloutEvaluation):
         with gathered(self.policy):  # FSDP: full weights, so ranks generate independently
             # 1. Rollout: group_size episodes per prompt row, sampled from the current policy.
             result, metrics = self.collect(batch.tolist())
+            result = self.finalize_rewards(result)
             traj = result.batch.to(self.device)
             self.rollouts_done()
             self.report_phase("log-probs and advantages")
@@ -192,6 +208,18 @@ class RolloutModule(RolloutEvaluation):
         self.log("reward", metrics["rollout/reward_mean"], prog_bar=True, logger=False)
         self.warn_on_engine_gap(metrics)
         self.keep_samples(result)
+
+    def finalize_rewards(self, result: RolloutResult) -> RolloutResult:
+        """The step's training rewards once its batch is final (after every refill round): the
+        ``reward`` group's batch-normalised components standardised over every rank's batch."""
+        reward = self.harness.reward
+        if reward is None:
+            return result
+        metrics = reward.finalize(
+            result.trajectories, lambda t: all_sum(t, self.world_size), device=self.device
+        )
+        batch = collate(result.trajectories, self.harness.tokenizer.pad_token_id)
+        return RolloutResult(batch, result.trajectories, {**result.metrics, **metrics})
 
     def notify_callbacks(self, hook_name: str, *args: Any) -> None:
         """Call ``hook_name(trainer, module, *args)`` on every callback that has it (hooks of
@@ -292,15 +320,20 @@ class RolloutModule(RolloutEvaluation):
             behaviour = old_logp if old_logp is not None else traj.sampling_logps
             kl_tokens = kl(behaviour, ref_logp, hp.kl_estimator, hp.kl_clamp) * traj.action_mask
             metrics["actor/kl"] = masked_mean(kl_tokens, traj.action_mask)
-            if hp.kl_mode == "reward":
+        if kl_tokens is not None and hp.kl_mode == "reward" and self.per_token_kl_reward:
+            kl_rewards = -hp.beta * kl_tokens.detach()  # (B, L-1), each token's own penalty
+            adv = self.advantages_with_kl_rewards(traj, rewards, returns, kl_rewards)
+        else:
+            if kl_tokens is not None and hp.kl_mode == "reward":
                 returns = kl_penalized_returns(returns, kl_tokens, traj.action_mask, hp.beta)
-        adv = self.compute_advantages(traj, rewards, returns)
+            adv = self.compute_advantages(traj, rewards, returns)
         if kl_tokens is not None and hp.kl_mode == "advantage":
             adv = kl_shaped_advantages(adv, kl_tokens, traj.action_mask, hp.beta)
         mask = traj.action_mask
-        if hp.mask_truncated:
-            mask = mask & ~traj.truncated[:, None]
-            metrics["rollout/masked_truncated_frac"] = traj.truncated.float().mean()
+        if hp.mask_truncated:  # episodes with no terminal state, or with a reply cut at the length cap
+            unfinished = traj.truncated | traj.cut
+            mask = mask & ~unfinished[:, None]
+            metrics["rollout/masked_truncated_frac"] = unfinished.float().mean()
         if old_logp is not None and (
             hp.offpolicy_token_bounds is not None or hp.offpolicy_seq_threshold is not None
         ):

@@ -119,6 +119,24 @@ def step_rewards(
     return out * (torch.arange(steps, device=out.device)[None, :] < n_steps[:, None])
 
 
+def token_sums_to_steps(x: torch.Tensor, idx: torch.Tensor, steps: int) -> torch.Tensor:
+    """Per-token quantities summed into their step (e.g. each token's KL penalty: a token-level
+    step gets its own, a turn-level step the sum over its tokens).
+
+    Args:
+        x: Shape: (B, T)
+        idx: step ids from :func:`step_index` (-1 outside actions). Shape: (B, T)
+
+    Returns:
+        Shape: (B, S)
+    """
+    b = x.shape[0]
+    valid = idx >= 0
+    flat = (torch.arange(b, device=idx.device)[:, None] * steps + idx.clamp(min=0))[valid]
+    out = torch.zeros(b * steps, dtype=x.dtype, device=x.device)
+    return out.index_add(0, flat, x[valid]).view(b, steps)
+
+
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``1 - Var(R - V) / Var(R)`` over valid steps (1: perfect, 0: no better than a constant)."""
     m = mask.bool()

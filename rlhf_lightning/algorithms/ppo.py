@@ -11,7 +11,13 @@ import torch.nn.functional as F
 from rlhf_lightning.algorithms.base import RolloutModule
 from rlhf_lightning.algorithms.checks import validate_ppo
 from rlhf_lightning.algorithms.common import Metrics, adamw_with_schedule
-from rlhf_lightning.algorithms.critic import explained_variance, reduce_to_steps, step_index, step_rewards
+from rlhf_lightning.algorithms.critic import (
+    explained_variance,
+    reduce_to_steps,
+    step_index,
+    step_rewards,
+    token_sums_to_steps,
+)
 from rlhf_lightning.algorithms.diagnostics import per_turn_means
 from rlhf_lightning.algorithms.distributed import clip_by_norm, gather_rows, grad_norm
 from rlhf_lightning.algorithms.objective import CriticTerm, PolicyObjective, PolicyTerm
@@ -47,8 +53,19 @@ class PPOModule(RolloutModule):
     def warming_up(self) -> bool:
         return self.learn_steps < self.hp.critic_warmup_steps
 
+    per_token_kl_reward = True  # kl_mode=reward: -beta * kl_t is each token's (or its turn's) reward
+
     def compute_advantages(
         self, traj: TrajectoryBatch, rewards: torch.Tensor, returns: torch.Tensor
+    ) -> torch.Tensor:
+        return self.advantages_with_kl_rewards(traj, rewards, returns, None)
+
+    def advantages_with_kl_rewards(
+        self,
+        traj: TrajectoryBatch,
+        rewards: torch.Tensor,
+        returns: torch.Tensor,
+        kl_rewards: torch.Tensor | None,
     ) -> torch.Tensor:
         hp = self.hp
         self.levels = self.granularity(traj)
@@ -59,6 +76,8 @@ class PPOModule(RolloutModule):
         step_r = step_rewards(
             rewards, steps_idx, steps, self.levels, extra=returns - rewards.sum(-1), turn_ids=traj.turn_ids
         )
+        if kl_rewards is not None:  # each step gets the KL penalty of its own tokens
+            step_r = step_r + token_sums_to_steps(kl_rewards, steps_idx, steps)
         step_mask = torch.arange(steps, device=self.device)[None, :] < (steps_idx.max(-1).values + 1)[:, None]
         lam = 1.0 if self.warming_up else hp.gae_lambda
         bootstrap = boot * traj.truncated.to(boot.dtype)  # terminal states are worth 0

@@ -295,10 +295,12 @@ class RolloutHarness:
         obs, reward, terminated, truncated, info = _check_step_output(env, out)
         traj.rewards.append(reward)
         traj.infos.append(info)
-        # A reply cut at max_new_tokens ends the episode without a terminal state, whatever the
-        # env says: no well-formed next turn can follow, and the reply itself was not finished.
+        # A reply cut at max_new_tokens ends the episode (no well-formed next turn can follow).
+        # It is terminal when the env says so (its reward is the outcome, nothing follows);
+        # otherwise the episode stops in a non-terminal state, like the env's own truncation.
         cut = comp.finish_reason == "length"
-        traj.truncated = traj.truncated or cut or (truncated and not terminated)
+        traj.cut = traj.cut or cut
+        traj.truncated = traj.truncated or (not terminated and (truncated or cut))
         if terminated or truncated or cut:
             return False, failed
         ids = self.formatter.observation_ids(obs)
@@ -322,5 +324,6 @@ class RolloutHarness:
                         counts[k] = counts.get(k, 0) + 1
         out = {f"env/{k}": sums[k] / counts[k] for k in sums}
         out["rollout/truncated_frac"] = sum(t.truncated for t in trajs) / max(len(trajs), 1)
+        out["rollout/cut_frac"] = sum(t.cut for t in trajs) / max(len(trajs), 1)
         out["rollout/num_turns"] = sum(t.num_turns for t in trajs) / max(len(trajs), 1)
         return out

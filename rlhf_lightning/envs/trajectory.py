@@ -16,7 +16,12 @@ class Trajectory:
     ``sampling_logps[i]`` is the engine's log-prob of generated token i (0 elsewhere).
     Per turn k: ``finish_reasons[k]`` is the engine's (``stop`` or ``length``: cut at
     ``max_new_tokens``), ``turn_lengths[k]`` the generated tokens. ``truncated``: the episode
-    did not reach a terminal state (a reply was cut, or ``max_turns`` / ``max_model_len`` ended it).
+    ended without reaching a terminal state (the env did not terminate it: ``max_turns`` or
+    ``max_model_len`` ended it, the env itself truncated it, or a reply was cut before the env
+    reached a terminal state); PPO bootstraps such episodes from the critic. ``cut``: some
+    reply was cut at ``max_new_tokens``, whether or not the env then terminated the episode
+    (``algo.mask_truncated`` and the length metrics use it; a cut reply the env scored as
+    final is terminal, never bootstrapped).
     """
 
     token_ids: list[int]
@@ -26,6 +31,7 @@ class Trajectory:
     group_id: int
     prompt_len: int
     truncated: bool = False
+    cut: bool = False
     prompt_text: str = ""
     completion_text: str = ""
     infos: list[dict[str, Any]] = field(default_factory=list)
@@ -34,6 +40,10 @@ class Trajectory:
     replies: list[str] = field(default_factory=list)  # each turn's decoded reply (for reward functions)
     observation: Any = ""  # the env's first observation (str or chat messages)
     task_info: dict[str, Any] = field(default_factory=dict)  # the env's reset info (dataset columns)
+    env_rewards: list[float] = field(
+        default_factory=list
+    )  # the env's own per-turn rewards (before reward=...)
+    reward_parts: dict[str, float] = field(default_factory=dict)  # raw score of each reward component
 
     @property
     def num_turns(self) -> int:
@@ -60,6 +70,7 @@ class TrajectoryBatch:
         rewards: (B, K), per-turn rewards, 0 after the last turn
         group_ids: (B,), trajectories of one prompt share an id
         num_turns: (B,), truncated: (B,) (no terminal state reached: see ``Trajectory``)
+        cut: (B,), some reply of the episode was cut at ``max_new_tokens``
         turn_lengths: (B, K), generated tokens per turn (0 after the last turn)
         turn_cut: (B, K), True where the engine stopped the turn at ``max_new_tokens``
         turn_starts: (B, K), the (B, L-1) column of each turn's first action token, i.e. where
@@ -80,6 +91,7 @@ class TrajectoryBatch:
     group_ids: torch.Tensor
     num_turns: torch.Tensor
     truncated: torch.Tensor
+    cut: torch.Tensor
     prompt_lens: torch.Tensor
     prefix_ids: torch.Tensor
     turn_lengths: torch.Tensor
@@ -151,6 +163,7 @@ def collate(trajectories: list[Trajectory], pad_token_id: int) -> TrajectoryBatc
         group_ids=torch.tensor([t.group_id for t in trajectories], dtype=torch.long),
         num_turns=torch.tensor([t.num_turns for t in trajectories], dtype=torch.long),
         truncated=torch.tensor([t.truncated for t in trajectories], dtype=torch.bool),
+        cut=torch.tensor([t.cut for t in trajectories], dtype=torch.bool),
         prompt_lens=torch.tensor([t.prompt_len for t in trajectories], dtype=torch.long),
         prefix_ids=torch.tensor(prefix_ids, dtype=torch.long),
         turn_lengths=per_turn([t.turn_lengths for t in trajectories], 0, torch.long),

@@ -39,7 +39,7 @@ def module(table: torch.Tensor, **hp) -> PPOModule:
     return PPOModule(StubCritic(table), None, None, SamplingParams(max_new_tokens=4), cfg)  # type: ignore[arg-type]
 
 
-def trajectory(tokens, turns, rewards, finish, truncated):
+def trajectory(tokens, turns, rewards, finish, truncated, cut=None):
     lengths = [turns.count(k) for k in range(len(rewards))]
     return Trajectory(
         token_ids=tokens,
@@ -49,6 +49,7 @@ def trajectory(tokens, turns, rewards, finish, truncated):
         group_id=0,
         prompt_len=2,
         truncated=truncated,
+        cut="length" in finish if cut is None else cut,
         finish_reasons=finish,
         turn_lengths=lengths,
     )
@@ -90,6 +91,44 @@ def test_single_turn_bootstraps_only_when_truncated(truncated):
     torch.testing.assert_close(adv[0, 1:3], torch.tensor([want, want]), atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("reward", [1.0, 0.0])
+def test_a_cut_reply_the_env_scored_is_terminal(tiny_tokenizer, reward):
+    """A reply cut at max_new_tokens that the env still scored and ended (terminated=True): its
+    reward is the outcome, so the target is r, not r + V(s_T) (a cut reply scored 1 would get a
+    target above the maximum return; a cut chain of thought scored 0 would lose its penalty)."""
+    from rlhf_lightning.envs.harness import ChatFormatter, RolloutHarness
+    from rlhf_lightning.rollout.engine import Completion
+
+    class OneReply:
+        def generate(self, prompts, params):
+            return [Completion([7, 8], [-0.5, -0.5], "length", i) for i, _ in enumerate(prompts)]
+
+    class Scored:
+        def reset(self, seed=None, **kw):
+            return "Q", {}
+
+        def step(self, action):
+            return "", reward, True, False, {}
+
+    tok = tiny_tokenizer
+    result = RolloutHarness(Scored, tok, ChatFormatter(tok)).rollout(
+        OneReply(), [0], SamplingParams(max_new_tokens=2)
+    )
+    batch = distinct_prefixes(result.batch)
+    assert bool(batch.cut[0]) and not bool(batch.truncated[0])
+    p = int(batch.prompt_lens[0])  # columns p-1, p: the two action tokens; p + 1: after the last
+    table = torch.zeros(1, p + 3)
+    table[0, p - 1], table[0, p], table[0, p + 1] = 0.3, 0.6, 0.9
+    m = module(table, gamma=1.0, gae_lambda=1.0, advantage_granularity="token")
+    rewards = batch.rewards.float()
+    adv = m.compute_advantages(batch, rewards, rewards.sum(-1))
+    # token-level GAE with lambda = gamma = 1 and V_end = 0: A_t = r - V(s_t)
+    torch.testing.assert_close(adv[0, p - 1 : p + 1], torch.tensor([reward - 0.3, reward - 0.6]))
+    assert m.critic is not None
+    targets = m.critic.step_returns[0, :2]  # the critic's targets: the return r itself
+    torch.testing.assert_close(targets, torch.tensor([reward, reward]))
+
+
 @pytest.mark.parametrize("truncated", [False, True])
 def test_two_turns_gae_by_hand(truncated):
     # turn 0: tokens 2-3, observation 4-5, turn 1: tokens 6-7; cut by max_turns when truncated
@@ -129,3 +168,36 @@ def test_gae_bootstrap_only_at_each_rows_last_step():
     want = torch.tensor([[0.5, 1.8, 0.0], [2.4, 0.0, 0.0]], dtype=torch.float64)
     torch.testing.assert_close(adv, want, atol=1e-12, rtol=0)
     torch.testing.assert_close(ret, (want + values) * mask, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("granularity", ["token", "turn"])
+def test_kl_in_reward_is_each_tokens_own_reward(granularity):
+    """``kl_mode=reward``: every action token gets the reward ``-beta * kl_t`` (the task reward
+    stays on the last one), so GAE at lambda < 1 credits a token with its own KL at full weight
+    instead of 0.95^(distance to the end). Expected values by hand, in float64."""
+    # one turn of 4 action tokens: token columns 1..4 of the (B, L-1) layout; 5 is after the end
+    t = trajectory([5, 6, 7, 8, 9, 10], [-1, -1, 0, 0, 0, 0], [1.0], ["stop"], False)
+    batch = distinct_prefixes(collate([t], 0))
+    values = [0.1, 0.4, 0.2, 0.7]
+    table = torch.tensor([[0.0, *values, 0.0]])
+    old = torch.tensor([[0.0, -1.0, -2.0, -0.5, -1.5, 0.0]])[:, :5]
+    ref = torch.tensor([[0.0, -1.2, -1.0, -0.5, -2.5, 0.0]])[:, :5]
+    beta, gamma, lam = 0.1, 1.0, 0.95
+    m = module(
+        table, beta=beta, kl_mode="reward", kl_estimator="k1", kl_clamp=None, gamma=gamma, gae_lambda=lam,
+        advantage_granularity=granularity,
+    )  # fmt: skip
+    adv, _, _ = m.score(batch, old, ref)
+    kl_t = [o - r for o, r in zip(old[0, 1:].double().tolist(), ref[0, 1:].double().tolist())]  # k1
+    if granularity == "token":
+        r = [-beta * k for k in kl_t]
+        r[-1] += 1.0
+        v = values + [0.0]  # terminal: V after the end is 0
+        deltas = [r[i] + gamma * v[i + 1] - v[i] for i in range(4)]
+        want = [sum((gamma * lam) ** j * deltas[i + j] for j in range(4 - i)) for i in range(4)]
+    else:  # one step: the turn's reward is the task reward plus the sum of its tokens' penalties
+        a = 1.0 - beta * sum(kl_t) - values[0]
+        want = [a] * 4
+    torch.testing.assert_close(
+        adv[0, 1:5].double(), torch.tensor(want, dtype=torch.float64), atol=1e-6, rtol=0
+    )

@@ -3,6 +3,7 @@ from them (truncation, the overlong penalty per turn)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rlhf_lightning.algorithms.base import RolloutModule
@@ -16,19 +17,32 @@ from rlhf_lightning.rollout.engine import SamplingParams
 from tests.envs.test_harness import ScriptedEngine
 
 
-def test_single_turn_reply_cut_at_max_new_tokens_is_truncated(tiny_tokenizer):
+def test_a_cut_reply_the_env_ends_is_cut_but_terminal(tiny_tokenizer):
+    """The arithmetic env terminates on every reply, cut or not: the outcome is its reward, so
+    the episode is terminal (``truncated`` False: no bootstrap) and only ``cut`` records it."""
     tok = tiny_tokenizer
     harness = RolloutHarness(lambda: ArithmeticEnv(), tok, ChatFormatter(tok))
     ids = tok("12", add_special_tokens=False).input_ids
     cut = harness.rollout(ScriptedEngine([ids], finish="length"), [0, 1], SamplingParams(max_new_tokens=2))
-    assert cut.batch.truncated.all() and cut.batch.turn_cut.all()
-    assert cut.metrics["rollout/truncated_frac"] == 1.0
+    assert cut.batch.cut.all() and cut.batch.turn_cut.all() and not cut.batch.truncated.any()
+    assert cut.metrics["rollout/cut_frac"] == 1.0 and cut.metrics["rollout/truncated_frac"] == 0.0
     assert cut.trajectories[0].finish_reasons == ["length"]
     done = harness.rollout(
         ScriptedEngine([[*ids, tok.eos_token_id]]), [0, 1], SamplingParams(max_new_tokens=8)
     )
-    assert not done.batch.truncated.any() and not done.batch.turn_cut.any()
-    assert done.metrics["rollout/truncated_frac"] == 0.0
+    assert not done.batch.truncated.any() and not done.batch.turn_cut.any() and not done.batch.cut.any()
+    assert done.metrics["rollout/truncated_frac"] == 0.0 and done.metrics["rollout/cut_frac"] == 0.0
+
+
+def test_a_cut_reply_mid_episode_is_cut_and_truncated(tiny_tokenizer):
+    """A multi-turn env that has not ended when a reply is cut: the episode stops in a
+    non-terminal state (``truncated``: PPO bootstraps it) and is ``cut``."""
+    tok = tiny_tokenizer
+    wrong = tok("99", add_special_tokens=False).input_ids  # never in [1, 20], so never terminal
+    h = RolloutHarness(lambda: GuessNumberEnv(max_turns=10), tok, ChatFormatter(tok), max_turns=3)
+    result = h.rollout(ScriptedEngine([wrong], finish="length"), [0], SamplingParams(max_new_tokens=2))
+    t = result.trajectories[0]
+    assert t.cut and t.truncated and t.num_turns == 1
 
 
 def test_turn_lengths_and_starts_per_turn(tiny_tokenizer):
@@ -81,8 +95,8 @@ def test_overlong_penalty_applies_to_each_turn_from_its_own_length():
     torch.testing.assert_close(got, torch.tensor([0.0, -0.25, -2.0, -2.0]))
 
 
-def test_mask_truncated_drops_cut_replies_from_the_loss():
-    def traj(finish: str) -> Trajectory:
+def test_mask_truncated_drops_cut_and_unfinished_episodes_from_the_loss():
+    def traj(finish: str, truncated: bool) -> Trajectory:
         return Trajectory(
             token_ids=[1, 2, 3, 4],
             action_turn=[-1, -1, 0, 0],
@@ -90,15 +104,17 @@ def test_mask_truncated_drops_cut_replies_from_the_loss():
             rewards=[1.0],
             group_id=0,
             prompt_len=2,
-            truncated=finish == "length",
+            truncated=truncated,
+            cut=finish == "length",
             finish_reasons=[finish],
             turn_lengths=[2],
         )
 
-    batch = collate([traj("length"), traj("stop")], pad_token_id=0)
+    # cut and scored by the env; ended by the turn limit; finished
+    batch = collate([traj("length", False), traj("stop", True), traj("stop", False)], pad_token_id=0)
     _, mask, metrics = _module(mask_truncated=True).score(batch, None, None)
-    assert not mask[0].any() and mask[1].sum() == 2
-    assert metrics["rollout/masked_truncated_frac"] == 0.5
+    assert not mask[0].any() and not mask[1].any() and mask[2].sum() == 2
+    assert metrics["rollout/masked_truncated_frac"] == pytest.approx(2 / 3)
 
 
 def test_a_short_token_budget_shows_in_truncated_frac_and_the_mask(fast_cfg, tmp_path):
@@ -107,5 +123,6 @@ def test_a_short_token_budget_shows_in_truncated_frac_and_the_mask(fast_cfg, tmp
     _, trainer = fit_steps(fast_cfg("rollout.max_new_tokens=2", "algo.mask_truncated=true"), tmp_path)
     m = trainer.callback_metrics
     # most 2-token replies of the tiny model are cut (a few are one digit + eos)
-    assert m["rollout/truncated_frac"] > 0.5
-    assert m["rollout/masked_truncated_frac"] == m["rollout/truncated_frac"]
+    assert m["rollout/cut_frac"] > 0.5
+    assert m["rollout/truncated_frac"] == 0.0  # the arithmetic env scores (ends) every reply
+    assert m["rollout/masked_truncated_frac"] == m["rollout/cut_frac"]
