@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import csv
 import os
+import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from peft import PeftModel
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import rlhf_lightning.export as export_mod
 from rlhf_lightning.export import main as export_main
 from rlhf_lightning.models.build import load_model
 from rlhf_lightning.run import run
@@ -89,7 +97,7 @@ def test_ppo_critic_is_copied_not_merged_and_full_finetuning_merges_its_checkpoi
     out_full = tmp_path / "full_out"
     export_main([str(full), "--out", str(out_full), "--merge"])
     merged = AutoModelForCausalLM.from_pretrained(out_full).eval()
-    state = torch.load(full / "checkpoints/last.ckpt", weights_only=False)["state_dict"]
+    state = torch.load(full / "checkpoints/last.ckpt", weights_only=True)["state_dict"]  # as export loads it
     key = "model.layers.0.mlp.up_proj.weight"
     assert torch.equal(merged.state_dict()[key], state[f"policy.model.{key}"])
     base = load_model(tiny_path, dtype="float32")
@@ -118,7 +126,12 @@ def test_bad_sources_are_named(tmp_path, grpo_run):
     with pytest.raises(SystemExit, match="holds no actor adapter"):
         export_main([str(tmp_path), "--out", str(tmp_path / "o")])
     with pytest.raises(SystemExit, match=r"choose --which among \['last', 'step_000002'\]"):
-        export_main([str(grpo_run), "--out", str(tmp_path / "o"), "--which", "best"])
+        export_main([str(grpo_run), "--out", str(tmp_path / "o"), "--which", "step_000009"])
+    with pytest.raises(SystemExit, match=f"--out {re.escape(str(grpo_run))} overlaps the export's source"):
+        export_main([str(grpo_run), "--out", str(grpo_run), "--force"])  # would delete the run
+    with pytest.raises(SystemExit, match="--dtype float8: choose one of auto, float32"):
+        export_main([str(grpo_run), "--out", str(tmp_path / "o"), "--merge", "--dtype", "float8"])
+    assert not (tmp_path / "o").exists()
 
 
 def test_merged_model_loads_into_vllm_and_generates_like_transformers(grpo_run, tmp_path):
@@ -148,3 +161,124 @@ def test_merged_model_loads_into_vllm_and_generates_like_transformers(grpo_run, 
     if tok.eos_token_id in expected:
         expected = expected[: expected.index(tok.eos_token_id) + 1]
     assert completion.token_ids and completion.token_ids == expected
+
+
+@pytest.fixture(scope="module")
+def evaluated_run(tmp_path_factory) -> Path:
+    """Three updates at the default lr, evaluated and checkpointed after each (every adapter kept)."""
+    out = tmp_path_factory.mktemp("evaluated") / "run"
+    overrides = ["trainer.max_steps=3", "trainer.val_check_interval=1", "checkpoint.every_n_steps=1"]
+    cfg = compose_config(
+        [*FAST, *overrides, "checkpoint.keep_last=-1", "eval.before_training=false", "eval.at_end=false"],
+        output_dir=out,
+    )
+    run(cfg)
+    return out
+
+
+def best_step(run_dir: Path, metric: str = "eval/accuracy_greedy") -> tuple[int, int]:
+    """(the first step with the best ``metric`` in metrics.csv, the last evaluated step)."""
+    with (run_dir / "metrics.csv").open() as f:
+        evals = [(int(r["step"]), float(r[metric])) for r in csv.DictReader(f) if r.get(metric)]
+    best = max(v for _, v in evals)
+    return next(s for s, v in evals if v == best), evals[-1][0]
+
+
+def test_which_best_exports_the_adapters_of_the_best_evaluation(evaluated_run, tmp_path):
+    best, last = best_step(evaluated_run)
+    assert best != last  # so best and last are different adapters (the run is deterministic)
+    out = tmp_path / "best"
+    export_main([str(evaluated_run), "--out", str(out), "--which", "best"])
+    exported = load_file(out / "adapter_model.safetensors")
+    adapters = evaluated_run / "checkpoints" / "adapters"
+    at_best = load_file(adapters / f"step_{best:06d}" / "actor" / "adapter_model.safetensors")
+    at_last = load_file(adapters / f"step_{last:06d}" / "actor" / "adapter_model.safetensors")
+    assert exported.keys() == at_best.keys()
+    assert all(torch.equal(exported[k], at_best[k]) for k in at_best)
+    assert not all(torch.equal(exported[k], at_last[k]) for k in at_last)
+
+
+def test_command_line_export_of_an_embedded_model_run(grpo_run, tmp_path):
+    """A fresh process (no register_configs() from the tests): model.path is ${asset:...}."""
+    out = tmp_path / "cli"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "rlhf_lightning.export", str(grpo_run), "--out", str(out), "--merge"]
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    export_main([str(grpo_run), "--out", str(tmp_path / "in_process"), "--merge"])
+    cli, in_process = (load_file(d / "model.safetensors") for d in (out, tmp_path / "in_process"))
+    assert cli.keys() == in_process.keys() and all(torch.equal(cli[k], in_process[k]) for k in cli)
+
+
+def copy_run(run_dir: Path, dest: Path, **model: object) -> Path:
+    """The run's config.yaml (``model.*`` overridden) and its last adapters, without checkpoints."""
+    cfg = OmegaConf.load(run_dir / "config.yaml")
+    for key, value in model.items():
+        cfg.model[key] = value
+    (dest / "checkpoints").mkdir(parents=True)
+    OmegaConf.save(cfg, dest / "config.yaml")
+    shutil.copytree(run_dir / "checkpoints" / "adapters" / "last", dest / "checkpoints" / "adapters" / "last")
+    return dest
+
+
+def test_the_runs_revision_and_trust_remote_code_reach_the_loaders(grpo_run, tmp_path, monkeypatch):
+    src = copy_run(grpo_run, tmp_path / "run", revision="0123abcd", trust_remote_code=True)
+    seen: dict[str, dict] = {}
+
+    def fake_load_model(path, **kwargs):
+        seen["model"] = kwargs
+        return load_model(path, dtype=kwargs["dtype"])  # a local directory: no revision to check out
+
+    def fake_load_tokenizer(path, **kwargs):
+        seen["tokenizer"] = kwargs
+        return real_load_tokenizer(path)
+
+    real_load_tokenizer = export_mod.load_tokenizer
+    monkeypatch.setattr(export_mod, "load_model", fake_load_model)
+    monkeypatch.setattr(export_mod, "load_tokenizer", fake_load_tokenizer)
+    export_main([str(src), "--out", str(tmp_path / "o"), "--merge"])
+    for loader in ("model", "tokenizer"):
+        assert seen[loader]["revision"] == "0123abcd" and seen[loader]["trust_remote_code"] is True
+    export_main([str(src), "--out", str(tmp_path / "o2"), "--merge", "--revision", "v2"])
+    assert seen["model"]["revision"] == "v2" and seen["tokenizer"]["revision"] == "v2"
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()
+    }
+
+
+def test_a_non_empty_out_needs_force_and_is_replaced_whole_or_not_at_all(grpo_run, tmp_path, monkeypatch):
+    out = tmp_path / "exports" / "tiny"
+    export_main([str(grpo_run), "--out", str(out)])  # the adapter
+    adapter = snapshot(out)
+    with pytest.raises(SystemExit, match=f"error: --out {re.escape(str(out))} is not empty .* pass --force"):
+        export_main([str(grpo_run), "--out", str(out), "--merge"])
+    assert snapshot(out) == adapter
+
+    real_write = export_mod.write_export
+
+    def write_then_fail(tmp, *args):
+        real_write(tmp, *args)  # a complete export in the staging directory, then a failure
+        raise OSError(28, "No space left on device", str(tmp / "model.safetensors"))
+
+    monkeypatch.setattr(export_mod, "write_export", write_then_fail)
+    with pytest.raises(
+        SystemExit, match=f"error: cannot write {re.escape(str(out))} .*No space left.* it is unchanged"
+    ):
+        export_main([str(grpo_run), "--out", str(out), "--merge", "--force"])
+    assert snapshot(out) == adapter  # the previous export, intact
+    with pytest.raises(SystemExit, match="No space left"):
+        export_main([str(grpo_run), "--out", str(tmp_path / "exports" / "new"), "--merge"])
+    assert sorted(p.name for p in out.parent.iterdir()) == ["tiny"]  # no half-written --out, no leftovers
+    monkeypatch.setattr(export_mod, "write_export", real_write)
+
+    export_main([str(grpo_run), "--out", str(out), "--merge", "--force"])
+    assert not (out / "adapter_config.json").exists() and (out / "model.safetensors").is_file()
+    merged = AutoModelForCausalLM.from_pretrained(out)  # no adapter on top of the merged weights
+    assert not any("lora" in name for name, _ in merged.named_parameters())
+    assert sorted(p.name for p in out.parent.iterdir()) == ["tiny"]
+    (tmp_path / "empty").mkdir()
+    export_main([str(grpo_run), "--out", str(tmp_path / "empty")])  # an empty directory is fine
+    assert (tmp_path / "empty" / "adapter_config.json").is_file()
