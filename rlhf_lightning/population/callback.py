@@ -1,15 +1,18 @@
 """Population training (``population.size=N``): N members on one frozen base, evolved in one run.
 
 A member is the trainable weights (actor adapter, and PPO's critic adapter and value head), its
-optimizer and scheduler state and its hyper-parameters. One member at a time is *resident*: its
-weights sit in the policy's adapter slots, its state in Lightning's optimizer and scheduler,
-its hyper-parameters in ``module.hp`` and ``module.sampling``. The others are copies off the
-model (a few adapters' memory, never N models). Training steps go round-robin over the members
-(``trainer.max_steps`` counts them all; each member's warm-up and cosine schedule spans its own
-``max_steps / N`` steps). Every ``population.evolve_every`` steps each member is
-scored on a held-out slice, then tournament selection with elitism picks each slot's parent,
-the parent is cloned (weights and optimizer state copied, the base untouched) and mutated;
-``lineage.csv`` records every birth. Validation and the final export use the fittest member.
+own reference adapter when the reference moves (``algo.ref_update_interval``), its optimizer and
+scheduler state, the module's per-member counters (PPO's critic warm-up) and its
+hyper-parameters. One member at a time is *resident*: its weights sit in the policy's adapter
+slots, its state in Lightning's optimizer and scheduler, its hyper-parameters in ``module.hp``
+and ``module.sampling``. The others are copies off the model (a few adapters' memory, never N
+models). Training steps go round-robin over the members (the trainer's optimizer steps count
+them all; each member's warm-up and cosine schedule spans its own share of them). Every
+``population.evolve_every`` steps each member is scored on a held-out slice at one sampling
+temperature, then tournament selection with elitism picks each slot's parent, the parent is
+cloned (weights and optimizer state copied, the base untouched) and mutated, every mutated
+value checked like a start-up value; ``lineage.csv`` records every birth. Validation and the
+final export use the fittest member.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ import dataclasses
 import functools
 import random
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -30,35 +32,13 @@ import torch
 from rlhf_lightning.algorithms import rng as rng_state
 from rlhf_lightning.algorithms.evaluation import episode_success
 from rlhf_lightning.algorithms.schedule import warmup_cosine
+from rlhf_lightning.population.checks import check_member, validate_space
 from rlhf_lightning.population.evolution import MUTABLE, MutationRange, mutate, tournament_select
+from rlhf_lightning.population.members import KEEP_SNAPSHOTS, Member, copy_into, write_snapshot
 
 FITNESS = ("accuracy_sampled", "accuracy_greedy", "return_sampled", "return_greedy")
 LINEAGE_FIELDS = ["step", "slot", "id", "parent", "event", "mutation", "parent_fitness", *MUTABLE]
-
-
-@dataclass
-class Member:
-    """One member, off the model: copies of its trainable weights and optimizer/scheduler state."""
-
-    id: int
-    hparams: dict[str, float]
-    weights: list[torch.Tensor]
-    optimizer: dict[str, Any]
-    scheduler: dict[str, Any]
-    parent: int | None = None
-    fitness: float | None = None
-
-    def clone(self, new_id: int) -> Member:
-        """An independent copy (tensors cloned, nothing shared) with a new id, parented here."""
-        return Member(
-            new_id,
-            dict(self.hparams),
-            [w.clone() for w in self.weights],
-            copy.deepcopy(self.optimizer),
-            copy.deepcopy(self.scheduler),
-            parent=self.id,
-            fitness=self.fitness,
-        )
+MEMBER_COUNTERS = ("learn_steps",)  # module attributes each member carries (PPO's critic warm-up)
 
 
 class Population(L.Callback):
@@ -70,7 +50,8 @@ class Population(L.Callback):
     eval_rows: held-out rows each member is scored on.
     tournament_size, elitism, no_mutation_prob: selection and mutation (``evolution.py``).
     mutate_initial: mutate members 1..N-1 once at the start (member 0 keeps the config's values).
-    snapshot_every: write the whole population every this many steps from a background thread.
+    snapshot_every: write the whole population every this many steps from a background thread
+        (rank 0; atomically; the newest ``keep_snapshots`` are kept).
     output_dir: where ``lineage.csv``, ``population/best`` and snapshots go.
     seed: the evolution's random stream (the same on every rank).
     """
@@ -89,6 +70,7 @@ class Population(L.Callback):
         mutate_initial: bool = False,
         snapshot_every: int = 0,
         seed: int = 0,
+        keep_snapshots: int = KEEP_SNAPSHOTS,
     ) -> None:
         if size < 2:
             raise ValueError(f"population.size must be at least 2, got {size}")
@@ -101,10 +83,13 @@ class Population(L.Callback):
         unknown = sorted(set(space) - set(MUTABLE))
         if unknown:
             raise ValueError(f"population.mutate: unknown hyper-parameters {unknown}; choose among {MUTABLE}")
+        if keep_snapshots < 1:
+            raise ValueError(f"population.keep_snapshots must be at least 1, got {keep_snapshots}")
         self.size, self.evolve_every, self.space = size, evolve_every, dict(space)
         self.fitness_name, self.eval_rows = fitness, eval_rows
         self.tournament_size, self.elitism, self.no_mutation_prob = tournament_size, elitism, no_mutation_prob
         self.mutate_initial, self.snapshot_every = mutate_initial, snapshot_every
+        self.keep_snapshots = keep_snapshots
         self.output_dir = Path(output_dir)
         self.rng = random.Random(seed)
         self.members: list[Member] = []
@@ -116,6 +101,8 @@ class Population(L.Callback):
         self.module: Any = None
         self._base_hp: Any = None
         self._base_temperature = 1.0
+        self._ref_interval: int | None = None  # members' own references move every this many updates
+        self._algo: dict[str, Any] = {}  # the algorithm's config values (mutated values are checked)
         self._restored: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ the resident member
@@ -129,6 +116,15 @@ class Population(L.Callback):
     def scheduler(self) -> Any:
         return self.module.lr_schedulers()
 
+    def reference_params(self) -> list[torch.nn.Parameter]:
+        """The reference adapter's weights when it moves (each member has its own); else none."""
+        policy = self.module.policy
+        name = policy.reference_adapter if self._ref_interval else None
+        return [] if name is None else [p for n, p in policy.named_parameters() if f".{name}." in n]
+
+    def counters(self) -> dict[str, int]:
+        return {k: int(getattr(self.module, k)) for k in MEMBER_COUNTERS if hasattr(self.module, k)}
+
     def capture(self, member_id: int, hparams: dict[str, float], parent: int | None = None) -> Member:
         """The resident state as a new member (copies)."""
         return Member(
@@ -138,6 +134,8 @@ class Population(L.Callback):
             copy.deepcopy(self.optimizer().state_dict()),
             copy.deepcopy(self.scheduler().state_dict()),
             parent=parent,
+            reference=[p.detach().clone() for p in self.reference_params()],
+            counters=self.counters(),
         )
 
     def store(self) -> None:
@@ -145,21 +143,23 @@ class Population(L.Callback):
         if self.resident is None:
             return
         m = self.members[self.resident]
-        with torch.no_grad():
-            for w, p in zip(m.weights, self.params()):
-                w.copy_(p)
+        copy_into(m.weights, self.params())
+        copy_into(m.reference, self.reference_params())
         m.optimizer = copy.deepcopy(self.optimizer().state_dict())
         m.scheduler = copy.deepcopy(self.scheduler().state_dict())
+        m.counters = self.counters()
 
     def load(self, slot: int) -> None:
-        """Make ``slot`` resident: weights, optimizer and scheduler state, hyper-parameters."""
+        """Make ``slot`` resident: weights, reference, optimizer and scheduler state, counters,
+        hyper-parameters."""
         if self.resident == slot:
             return
         self.store()
         m = self.members[slot]
-        with torch.no_grad():
-            for p, w in zip(self.params(), m.weights):
-                p.copy_(w)
+        copy_into(self.params(), m.weights)
+        copy_into(self.reference_params(), m.reference)
+        for name, value in m.counters.items():
+            setattr(self.module, name, value)
         self.optimizer().load_state_dict(m.optimizer)
         sched = self.scheduler()
         sched.load_state_dict(m.scheduler)
@@ -172,7 +172,9 @@ class Population(L.Callback):
     def apply_hparams(self, hp: dict[str, float]) -> None:
         module = self.module
         fields = {f.name for f in dataclasses.fields(self._base_hp)}
-        algo = {k: v for k, v in hp.items() if k in fields and k != "temperature"}
+        algo: dict[str, Any] = {k: v for k, v in hp.items() if k in fields and k != "temperature"}
+        if self._ref_interval:  # the population refreshes each member's own reference (refresh_reference)
+            algo["ref_update_interval"] = None
         module.hp = dataclasses.replace(self._base_hp, **algo)
         module.sampling = dataclasses.replace(
             module.sampling, temperature=hp.get("temperature", self._base_temperature)
@@ -193,20 +195,39 @@ class Population(L.Callback):
         hp["temperature"] = self._base_temperature
         return {k: v for k, v in hp.items() if v is not None}
 
+    def mutated(
+        self, hparams: dict[str, float], member_id: int, no_mutation_prob: float
+    ) -> tuple[dict[str, float], str]:
+        """:func:`mutate`, its result checked like a start-up value (a bad value never trains)."""
+        hp, how = mutate(hparams, self.space, self.rng, no_mutation_prob)
+        check_member(hp, self._algo, self.module.world_size, member_id)
+        return hp, how
+
+    def refresh_reference(self) -> None:
+        """Copy the resident's actor onto its own reference after every ``ref_update_interval``-th
+        update of that member (its scheduler's count: its own optimizer steps, a clone's counted
+        on from its parent's). Called before each optimizer step and at each batch end: the
+        actor is then as that count left it, so a repeated call copies the same weights."""
+        if not self._ref_interval or self.resident is None:
+            return
+        done = self.scheduler().last_epoch
+        if done > 0 and done % self._ref_interval == 0:
+            self.module.policy.copy_actor_to_reference()
+
     # ------------------------------------------------------------------ Lightning hooks
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         module: Any = pl_module
         self.module = module
         self._base_hp = module.hp
         self._base_temperature = float(module.sampling.temperature)
-        missing = sorted(k for k in self.space if k != "temperature" and not hasattr(self._base_hp, k))
-        if missing:
-            raise ValueError(
-                f"population.mutate: {missing} are not hyper-parameters of algo={self._base_hp.name}"
-            )
-        # Each member's warm-up and cosine run over its own share of the steps.
+        self._ref_interval = getattr(self._base_hp, "ref_update_interval", None) or None
+        self._algo = dataclasses.asdict(self._base_hp)
+        finetune = "lora" if module.policy.is_peft else "full"
+        space = {name: dataclasses.asdict(r) for name, r in self.space.items()}
+        validate_space(space, self._algo, finetune, module.world_size)  # as at start-up
+        # Each member's warm-up and cosine run over its own share of the optimizer steps.
         hp, sched = self._base_hp, self.scheduler()
-        own = max(trainer.max_steps // self.size, 1) if trainer.max_steps and trainer.max_steps > 0 else 1
+        own = max(module.total_optimizer_steps() // self.size, 1)
         schedule = functools.partial(
             warmup_cosine, warmup_steps=hp.warmup_steps, total_steps=own, min_lr_ratio=hp.min_lr_ratio
         )
@@ -218,7 +239,7 @@ class Population(L.Callback):
         base = self.initial_hparams()
         for slot in range(self.size):
             hp, how = (
-                mutate(base, self.space, self.rng, 0.0) if self.mutate_initial and slot else (base, "none")
+                self.mutated(base, self.next_id, 0.0) if self.mutate_initial and slot else (base, "none")
             )
             self.members.append(self.capture(self.next_id, hp))
             self.record(trainer.global_step, slot, None, "init", how, None)
@@ -232,9 +253,15 @@ class Population(L.Callback):
     ) -> None:
         self.load(self.steps % self.size)
 
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        self.refresh_reference()  # after the previous update of this batch (weights not yet stepped)
+
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self.refresh_reference()  # after the batch's last update
         slot = self.steps % self.size
         self.steps += 1
         metrics = trainer.callback_metrics
@@ -244,8 +271,13 @@ class Population(L.Callback):
         pl_module.log_metrics(keep)  # type: ignore[operator]
         if self.evolve_every and self.steps % self.evolve_every == 0:
             self.evolve(trainer)
-        if self.snapshot_every and self.steps % self.snapshot_every == 0:
-            self.snapshot(self.output_dir / "population" / f"snapshot_step_{self.steps:06d}.pt")
+        self.maybe_snapshot(trainer)
+
+    def maybe_snapshot(self, trainer: L.Trainer) -> threading.Thread | None:
+        """Every ``snapshot_every`` steps, rank 0 writes the population (every rank holds the same)."""
+        if not self.snapshot_every or self.steps % self.snapshot_every or not trainer.is_global_zero:
+            return None
+        return self.snapshot(self.output_dir / "population" / f"snapshot_step_{self.steps:06d}.pt")
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.members:
@@ -270,21 +302,21 @@ class Population(L.Callback):
 
     @torch.no_grad()
     def score(self, trainer: L.Trainer) -> list[float]:
-        """Each member's fitness on the first ``eval_rows`` held-out rows (all ranks: the mean)."""
+        """Each member's fitness on the first ``eval_rows`` held-out rows (all ranks: the mean).
+
+        Every member is scored at the same temperature (the config's rollout temperature, 0 for
+        ``*_greedy``): a member's own mutated temperature would favour low ones for being
+        evaluated at them."""
         module = self.module
         dm = trainer.datamodule  # type: ignore[attr-defined]
         n = min(self.eval_rows, dm.eval_rows)
         rows = list(range(module.rank, n, module.world_size))
-        mode = self.fitness_name.split("_")[1]
+        temperature = self._base_temperature if self.fitness_name.endswith("_sampled") else 0.0
         saved = rng_state.capture()  # scoring draws no numbers from training's streams
         out = []
         for slot in range(self.size):
             self.load(slot)
-            params = (
-                module.sampling
-                if mode == "sampled"
-                else dataclasses.replace(module.sampling, temperature=0.0)
-            )
+            params = dataclasses.replace(module.sampling, temperature=temperature)
             result = module.rollout(rows, params, group_size=1, evaluation=True)
             if self.fitness_name.startswith("accuracy"):
                 values = torch.tensor([episode_success(t) for t in result.trajectories])
@@ -301,7 +333,8 @@ class Population(L.Callback):
         fitness = self.score(trainer)  # scoring stored every member it swapped out; none trained since
         for m, f in zip(self.members, fitness):
             m.fitness = f
-        step = trainer.global_step
+        step, best = trainer.global_step, self.best_slot()
+        best_lr = float(self.members[best].hparams.get("lr", 0.0))
         parents = tournament_select(fitness, self.rng, self.tournament_size, self.elitism)
         new: list[Member] = []
         for slot, p in enumerate(parents):
@@ -312,7 +345,7 @@ class Population(L.Callback):
             else:
                 child = parent.clone(self.next_id)
                 self.next_id += 1
-                child.hparams, how = mutate(parent.hparams, self.space, self.rng, self.no_mutation_prob)
+                child.hparams, how = self.mutated(parent.hparams, child.id, self.no_mutation_prob)
                 event = "clone"
             new.append(child)
             self.record(step, slot, child, event, how, fitness[p])
@@ -324,7 +357,7 @@ class Population(L.Callback):
             {
                 "population/fitness_best": torch.tensor(max(fitness)),
                 "population/fitness_mean": torch.tensor(sum(fitness) / len(fitness)),
-                "population/best_lr": torch.tensor(float(new[0].hparams.get("lr", 0.0))),
+                "population/best_lr": torch.tensor(best_lr),  # the fittest member scored now
             }
         )
         self.write_lineage(trainer)
@@ -378,13 +411,17 @@ class Population(L.Callback):
 
     def snapshot(self, path: Path) -> threading.Thread:
         """Write the population as it is now from a background thread; training goes on (the
-        snapshot holds copies, so later updates do not reach it)."""
+        snapshot holds copies, so later updates do not reach it). See :func:`write_snapshot`."""
         state = self.population_state()
         state["members"] = [
-            m | {"weights": [w.detach().cpu() for w in m["weights"]]} for m in state["members"]
+            m | {k: [w.detach().cpu() for w in m[k]] for k in ("weights", "reference")}
+            for m in state["members"]
         ]
         path.parent.mkdir(parents=True, exist_ok=True)
-        thread = threading.Thread(target=torch.save, args=(state, path), daemon=False)
+        self.snapshots = [t for t in self.snapshots if t.is_alive()]
+        thread = threading.Thread(
+            target=write_snapshot, args=(state, path, self.keep_snapshots), daemon=False
+        )
         thread.start()
         self.snapshots.append(thread)
         return thread
@@ -397,6 +434,9 @@ class Population(L.Callback):
 
     def _load_population(self, state: dict[str, Any]) -> None:
         self.members = [Member(**m) for m in state["members"]]
+        shared = [p.detach().clone() for p in self.reference_params()]
+        for m in self.members:  # a checkpoint from before members had their own: the shared one
+            m.reference = m.reference or [w.clone() for w in shared]
         self.steps, self.next_id = state["steps"], state["next_id"]
         self.rng.setstate(state["rng"])
         self.lineage = [dict(r) for r in state["lineage"]]

@@ -1,0 +1,236 @@
+"""Start-up checks of ``population.*``, and the rules a member's hyper-parameters obey.
+
+Every invalid value fails before any model is loaded. The rules on one hyper-parameter value
+(:func:`value_problem`) are the same at start-up (each end of a ``population.mutate`` range, or
+each integer in it) and at every mutation during the run (:func:`check_member`), so a value
+that would fail at start-up can never reach training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from types import SimpleNamespace
+from typing import Any, cast
+
+from omegaconf import DictConfig, OmegaConf
+
+from rlhf_lightning.population.evolution import DEFAULT_SPACE, INTEGER, MUTABLE
+from rlhf_lightning.validation import ConfigError, check
+
+# What each hyper-parameter must be, as its start-up check in validation.py / algorithms/checks.py.
+DOMAINS = {
+    "lr": "a learning rate > 0",
+    "clip_low": "an offset in [0, 1) (the ratio's lower bound is 1 - clip_low)",
+    "clip_high": "an offset > 0 (the ratio's upper bound is 1 + clip_high)",
+    "beta": "a KL coefficient >= 0",
+    "temperature": "a sampling temperature > 0",
+    "group_size": "an integer >= 2 (group-relative advantages compare completions of one prompt)",
+    "entropy_coef": ">= 0",
+}
+
+
+def _in_domain(name: str, v: float) -> bool:
+    if name == "clip_low":
+        return 0.0 <= v < 1.0
+    if name in ("beta", "entropy_coef"):
+        return v >= 0.0
+    if name == "group_size":
+        return float(v).is_integer() and v >= 2
+    return v > 0.0  # lr, clip_high, temperature
+
+
+def group_size_problem(g: int, algo: Mapping[str, Any], world_size: int = 1) -> str | None:
+    """Why ``g`` completions per prompt do not fit the configured batch geometry, or None.
+
+    With ``mini_batch_size`` set, the optimizer steps per training step are ``prompts_per_step
+    x group_size / mini_batch_size``: another group size would change them, and with them what
+    ``trainer.max_steps`` and each member's schedule count, so it must stay the config's. Micro-
+    batches split each rank's rollouts (``prompts_per_step / world_size x g``) evenly."""
+    ppp, mini, micro = algo["prompts_per_step"], algo.get("mini_batch_size"), algo.get("micro_batch_size")
+    if mini is not None and g != algo["group_size"]:
+        return (
+            f"with algo.mini_batch_size={mini} the group size must stay algo.group_size={algo['group_size']} "
+            "(it sets the optimizer steps per training step); set algo.mini_batch_size=null or drop "
+            "group_size from population.mutate"
+        )
+    rows = ppp // max(world_size, 1) * g  # this rank's rollouts (prompts_per_step is split over ranks)
+    if micro is not None and mini is None:
+        per_rank = micro // max(world_size, 1)
+        if per_rank < 1 or rows % per_rank:
+            return (
+                f"algo.micro_batch_size={micro} must divide the rollout batch prompts_per_step x group_size "
+                f"= {ppp * g} ({rows} per rank over {world_size}); choose a range whose every group size "
+                "keeps it a divisor, or change algo.micro_batch_size"
+            )
+    return None
+
+
+def value_problem(name: str, value: float, algo: Mapping[str, Any], world_size: int = 1) -> str | None:
+    """Why ``value`` cannot be a member's ``name`` under the algorithm config ``algo`` (plain
+    values, e.g. ``dataclasses.asdict(hp)``), or None."""
+    if not _in_domain(name, value):
+        return f"{name} must be {DOMAINS[name]}"
+    if name == "group_size":
+        problem = group_size_problem(int(value), algo, world_size)
+        if problem is not None:
+            return problem
+    if algo.get("use_liger_loss"):
+        from rlhf_lightning.ops.liger import liger_unsupported
+
+        reason = liger_unsupported(SimpleNamespace(**{**algo, name: value}))
+        if reason is not None:
+            return f"Liger's fused loss does not cover {reason} (algo.use_liger_loss=true)"
+    return None
+
+
+def check_member(
+    hparams: Mapping[str, float], algo: Mapping[str, Any], world_size: int, member_id: int
+) -> None:
+    """Raise :class:`ConfigError` if any of a (mutated) member's hyper-parameters is invalid."""
+    for name, value in hparams.items():
+        problem = value_problem(name, value, algo, world_size)
+        if problem is not None:
+            raise ConfigError(
+                f"population.mutate.{name}",
+                value,
+                f"member {member_id} was mutated to a value that cannot train: {problem}; narrow the range",
+            )
+
+
+def policy_losses(algo: Mapping[str, Any]) -> list[str] | None:
+    """The registered policy losses the configured family trains with (None: not known here)."""
+    if algo.get("loss") is not None:
+        return [algo["loss"]]
+    if algo.get("module") == "ppo":
+        return ["ppo_clip", "gspo"]  # PPOModule: per-token clip, or GSPO's pooled ratio per turn
+    return None
+
+
+def unused_problem(name: str, algo: Mapping[str, Any], finetune: str) -> str | None:
+    """Why mutating ``name`` would do nothing or break the run under this config, or None."""
+    if name == "temperature":
+        return None  # the sampler's, every rollout algorithm has one
+    where = f"algo={algo.get('name')}"
+    if name not in algo:
+        return f"{where} has no {name}: mutating it would change nothing; drop it from population.mutate"
+    if algo[name] is None:
+        return (
+            f"algo.{name} is null in {where} (the objective does not use it); set algo.{name} to a value "
+            "or drop it from population.mutate"
+        )
+    if name in ("clip_low", "clip_high"):
+        from rlhf_lightning.losses import POLICY_LOSSES
+
+        for loss in policy_losses(algo) or []:
+            params = POLICY_LOSSES.meta(loss).get("params")
+            if params is None or name not in {f.name for f in dataclasses.fields(params)}:
+                return (
+                    f"algo.loss={loss} does not use {name}: mutating it would change nothing; drop it "
+                    "from population.mutate"
+                )
+    if name == "beta" and finetune != "lora" and algo["beta"] == 0:
+        return (
+            "model.finetune=full with algo.beta=0 builds no reference model for a KL term; set algo.beta > 0 "
+            "or drop beta from population.mutate"
+        )
+    return None
+
+
+def range_values(name: str, low: float, high: float, algo: Mapping[str, Any]) -> list[float]:
+    """The values of a range that decide whether all of it is valid.
+
+    A real hyper-parameter's valid values form an interval: its two ends. ``group_size``: the
+    integers from ``low``, until the micro-batch divisibility (periodic in the group size with a
+    period dividing ``micro_batch_size``) and the fixed size under ``mini_batch_size`` have all
+    been seen, and ``high``."""
+    if name not in INTEGER:
+        return [low, high]
+    period = max(int(algo.get("micro_batch_size") or 1), 2)
+    first = list(range(int(low), min(int(high), int(low) + period) + 1))
+    return [float(g) for g in dict.fromkeys([*first, int(high)])]
+
+
+def validate_space(
+    mutate: Mapping[str, Any], algo: Mapping[str, Any], finetune: str, world_size: int
+) -> None:
+    """Every ``population.mutate`` range: a hyper-parameter the algorithm uses, and only valid values."""
+    for name, r in mutate.items():
+        field, shown = f"population.mutate.{name}", dict(r)
+        problem = unused_problem(name, algo, finetune)
+        check(problem is None, field, shown, str(problem))
+        low, high = float(r["low"]), float(r["high"])
+        if name in INTEGER:
+            check(
+                low.is_integer() and high.is_integer(),
+                field,
+                shown,
+                f"integer low and high: {name} is a count",
+            )
+        for v in range_values(name, low, high, algo):
+            problem = value_problem(name, v, algo, world_size)
+            check(
+                problem is None,
+                field,
+                shown,
+                f"the range allows {name}={v:g}, but {problem}; narrow the range",
+            )
+
+
+def configured_world_size(cfg: DictConfig) -> int:
+    """Processes from ``trainer.devices x num_nodes`` (1 when ``devices`` is ``auto``)."""
+    devices = cfg.trainer.devices
+    return devices * cfg.trainer.num_nodes if isinstance(devices, int) and devices > 0 else 1
+
+
+def validate_population(p: DictConfig, spec: Any, cfg: DictConfig) -> None:
+    """``population.*`` at start-up (``cfg``: the whole composed config)."""
+    from rlhf_lightning.population.callback import FITNESS
+
+    check(p.size >= 1, "population.size", p.size, "at least 1 (1: no population)")
+    if p.size == 1:
+        return
+    check(
+        spec.data == "online",
+        "population.size",
+        p.size,
+        "1 for SFT and DPO: populations train rollout algorithms",
+    )
+    check(
+        cfg.strategy.name != "fsdp",
+        "strategy.name",
+        cfg.strategy.name,
+        f"ddp with population.size={p.size} (members are swapped in and out of the policy's weights, "
+        "which FSDP shards; the run would hang at the end): use strategy=ddp, or population.size=1",
+    )
+    every = p.evolve_every if p.evolve_every is not None else 50 * p.size
+    check(
+        every >= 0 and every % p.size == 0,
+        "population.evolve_every",
+        every,
+        f"a multiple of population.size={p.size} (every member trains as often), or 0 (never evolve)",
+    )
+    check(p.fitness in FITNESS, "population.fitness", p.fitness, f"one of {', '.join(FITNESS)}")
+    check(p.eval_rows > 0, "population.eval_rows", p.eval_rows, "> 0")
+    check(p.tournament_size >= 1, "population.tournament_size", p.tournament_size, ">= 1")
+    check(0.0 <= p.no_mutation_prob <= 1.0, "population.no_mutation_prob", p.no_mutation_prob, "in [0, 1]")
+    check(p.snapshot_every >= 0, "population.snapshot_every", p.snapshot_every, ">= 0")
+    keep = p.get("keep_snapshots")
+    check(keep is None or keep >= 1, "population.keep_snapshots", keep, ">= 1 (the newest are kept)")
+    mutate = p.mutate if p.mutate is not None else DEFAULT_SPACE
+    check(
+        isinstance(mutate, DictConfig | dict) and set(mutate) <= set(MUTABLE),
+        "population.mutate",
+        mutate,
+        f"{{name: {{low, high, scale}}}} with names among {', '.join(MUTABLE)}",
+    )
+    for name, r in mutate.items():
+        ok = (
+            isinstance(r, DictConfig | dict)
+            and set(r) <= {"low", "high", "scale"}
+            and {"low", "high"} <= set(r)
+        )
+        ok = ok and 0 <= r["low"] <= r["high"] and r.get("scale", 1.5) > 1
+        check(ok, f"population.mutate.{name}", r, "{low, high, scale} with 0 <= low <= high and scale > 1")
+    algo = cast(dict[str, Any], OmegaConf.to_container(cfg.algo, resolve=True))
+    validate_space(mutate, algo, cfg.model.finetune, configured_world_size(cfg))
