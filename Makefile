@@ -20,11 +20,13 @@ $(VENV)/.installed: pyproject.toml | $(PY)
 	$(PIP) install -q -e .
 	touch $@
 
-# liger-kernel without its Triton dependency: its chunked losses are plain PyTorch, so the tests
-# check our loss against Liger's on the CPU (GPU users install the `liger` extra instead).
+# liger-kernel and the Triton it imports (its kernels cannot run on a CPU, but its chunked losses
+# are plain PyTorch and its model patches import there): the tests check our loss against Liger's
+# and the patch wiring on the CPU. --no-deps keeps pip from resolving a CUDA torch for them.
+TRITON ?= triton==3.5.0
 $(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml
 	$(PIP) install -q -e ".[dev]"
-	$(PIP) install -q --no-deps "liger-kernel==0.8.5"
+	$(PIP) install -q --no-deps "liger-kernel==0.8.5" "$(TRITON)"
 	touch $@
 
 install: $(VENV)/.installed

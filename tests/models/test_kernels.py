@@ -71,6 +71,14 @@ def test_liger_kernels_on_cpu_are_refused(tmp_path):
 
 
 def test_liger_patches_keep_the_models_outputs_and_refuse_unknown_models(tiny_model, monkeypatch):
+    # liger_kernel.transformers imports triton at import time (its kernels are Triton programs);
+    # `make install-dev` installs both, so `make test` and CI run this everywhere.
+    pytest.importorskip(
+        "liger_kernel", reason="needs liger-kernel: make install-dev (or pip install liger-kernel)"
+    )
+    pytest.importorskip(
+        "triton", reason="liger_kernel.transformers imports triton: make install-dev (or pip install triton)"
+    )
     import liger_kernel.transformers as lt
     from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 
