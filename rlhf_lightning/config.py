@@ -85,7 +85,9 @@ class RolloutAlgoConfig(OptimConfig):
     # DAPO's soft overlong penalty (arXiv 2503.14476), applied to each turn from its own length.
     overlong_buffer: int | None = None
     overlong_penalty_factor: float = 1.0
-    mask_truncated: bool = False  # episodes that reached no terminal state carry no loss
+    mask_truncated: bool = (
+        False  # episodes with no terminal state, or a reply cut at max_new_tokens, carry no loss
+    )
     # KL to the reference policy.
     beta: float = 0.0
     kl_estimator: str = "k3"
@@ -242,7 +244,9 @@ class RewardConfig:
     model_batch_size: int = 32
     model_max_len: int = 1024
     model_dtype: str = "float32"
-    normalize: str = "none"  # model scores: none | batch (standardised over the rollout batch)
+    normalize: str = (
+        "none"  # model scores: none | batch (standardised over each training step's global batch)
+    )
     offload: bool = True  # model: on the CPU except while scoring
     weights: Any = None  # {name: weight} by component name (env, fn name, model); unset: 1.0
 
@@ -332,6 +336,14 @@ class SamplesConfig:
 
 
 @dataclass
+class ProgressConfig:
+    """A compact progress line (step, reward, eval accuracy, elapsed, ETA) when stdout is not a
+    terminal (log files, CI, SLURM); in a terminal the rich bar shows progress instead."""
+
+    every_n_steps: int | None = None  # null: about 20 lines a run (1..100 steps apart); 0: none
+
+
+@dataclass
 class PopulationConfig:
     """Population training with evolution (``rlhf_lightning/population``); size 1 is off."""
 
@@ -347,6 +359,7 @@ class PopulationConfig:
     no_mutation_prob: float = 0.2  # a clone keeps its parent's hyper-parameters
     mutate_initial: bool = False  # members 1..N-1 start from one mutation of the config's values
     snapshot_every: int = 0  # write the population from a background thread every this many steps
+    keep_snapshots: int = 2  # background snapshots kept on disk (the newest); >= 1
     # {name: {low, high, scale}} for lr, clip_low, clip_high, beta, temperature, group_size,
     # entropy_coef; null: {lr: {low: 1e-6, high: 1e-2, scale: 2}}
     mutate: Any = None
@@ -366,6 +379,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     samples: SamplesConfig = field(default_factory=SamplesConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
+    progress: ProgressConfig = field(default_factory=ProgressConfig)
     population: PopulationConfig = field(default_factory=PopulationConfig)
     name: str = "default"  # runs land in outputs/<name>/<timestamp>
     seed: int = 0

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import signal
+import sys
 import time
 import warnings
 from collections.abc import Sequence
@@ -17,10 +19,10 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rlhf_lightning.algorithms.spec import get_algorithm
 from rlhf_lightning.callbacks import AdapterExport, SameConfigOnAllRanks, SampleTable, config_digest
-from rlhf_lightning.callbacks.checkpoints import BestCheckpoint, KeepLast
+from rlhf_lightning.callbacks.checkpoints import AtomicCheckpointIO, BestCheckpoint, KeepLast
 from rlhf_lightning.callbacks.guard import Guard
 from rlhf_lightning.callbacks.objective import CheckOptimizedMetric, optimized_value
-from rlhf_lightning.callbacks.progress import StepProgressBar
+from rlhf_lightning.callbacks.progress import ProgressLog, StepProgressBar, auto_every
 from rlhf_lightning.callbacks.signals import StopOnSignal
 from rlhf_lightning.config import register_configs
 from rlhf_lightning.data.offline import OfflineDataModule
@@ -200,6 +202,7 @@ def population_callback(p: DictConfig, output_dir: Path, seed: int) -> Populatio
         no_mutation_prob=p.no_mutation_prob,
         mutate_initial=p.mutate_initial,
         snapshot_every=p.snapshot_every,
+        keep_snapshots=p.keep_snapshots,
         seed=seed,
     )
 
@@ -390,11 +393,18 @@ def _fit(
             save_top_k=-1,  # KeepLast prunes
             save_last=cfg.checkpoint.save_last,
             auto_insert_metric_name=False,
+            # last.ckpt is also written by the signal and guard stops: overwrite it, never make
+            # last-v1.ckpt (which keep_last would not know about)
+            enable_version_counter=False,
         ),
         KeepLast(ckpt_dir, cfg.checkpoint.keep_last),
     ]
     if cfg.checkpoint.monitor:
-        callbacks.append(BestCheckpoint(ckpt_dir, cfg.checkpoint.monitor, cfg.checkpoint.monitor_mode))
+        callbacks.append(
+            BestCheckpoint(
+                ckpt_dir, cfg.checkpoint.monitor, cfg.checkpoint.monitor_mode, cfg.checkpoint.export_adapters
+            )
+        )
     stop = StopOnSignal(ckpt_dir)
     g = cfg.guard
     guard = Guard(
@@ -405,12 +415,16 @@ def _fit(
         max_nonfinite_steps=g.max_nonfinite_steps,
     )
     callbacks += [stop, guard]
-    if cfg.checkpoint.export_adapters:
-        callbacks.append(AdapterExport(ckpt_dir))
+    adapter_export = AdapterExport(ckpt_dir) if cfg.checkpoint.export_adapters else None
+    if adapter_export is not None:
+        callbacks.append(adapter_export)
     if cfg.samples.every_n_steps > 0:
         callbacks.append(SampleTable(cfg.samples.every_n_steps, output_dir))
     if cfg.trainer.enable_progress_bar:
         callbacks.append(StepProgressBar(leave=True))
+    lines_every = cfg.progress.every_n_steps
+    if lines_every != 0 and not sys.stdout.isatty():  # a log file, CI, SLURM: the bar shows nothing there
+        callbacks.append(ProgressLog(lines_every or auto_every(cfg.trainer.max_steps)))
     if cfg.population.size > 1:
         callbacks.insert(0, population_callback(cfg.population, output_dir, cfg.seed))
     callbacks.append(SameConfigOnAllRanks(config_digest(cfg)))
@@ -424,6 +438,7 @@ def _fit(
     trainer = L.Trainer(
         **trainer_kwargs,
         strategy=build_strategy(cfg.strategy),
+        plugins=[AtomicCheckpointIO()],
         logger=loggers,
         callbacks=callbacks,
         default_root_dir=str(output_dir),
@@ -432,7 +447,12 @@ def _fit(
     try:
         if cfg.eval.before_training and not ckpt_path:
             trainer.validate(module, datamodule=dm, verbose=False)
-        trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
+        try:  # checkpoints hold tensors and plain data only: loaded without unpickling code
+            trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path, weights_only=True)
+        except SystemExit:
+            if stop.interrupted:  # Lightning exits 1 on a KeyboardInterrupt: the guard's code
+                raise SystemExit(128 + signal.SIGINT) from None
+            raise
         if stop.stopped_by is not None:  # checkpoint saved at the signal's step
             exit_code = 128 + stop.stopped_by
         elif guard.stop_reason is not None:
@@ -442,6 +462,8 @@ def _fit(
                 trainer.save_checkpoint(ckpt_dir / "last.ckpt", weights_only=False)
             if cfg.eval.at_end and module.last_eval_step != trainer.global_step:
                 trainer.validate(module, datamodule=dm, verbose=False)
+        if adapter_export is not None:  # the policy as the fit left it (a population: its best member)
+            adapter_export.export_final(trainer, module)
         if trainer.is_global_zero:  # before W&B is finished: the plot and adapters go there too
             if cfg.logger.log_model:
                 upload_adapters(trainer.loggers, ckpt_dir / "adapters" / "last")

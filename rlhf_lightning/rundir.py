@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ SAFE_TO_CHANGE = (
     "checkpoint.",
     "logger.",
     "samples.",
+    "progress.",
 )
 
 
@@ -142,8 +144,34 @@ def config_changes(saved: DictConfig, current: DictConfig) -> list[str]:
     return out
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """``path`` written through a temporary file beside it (never half-written)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def save_run_config(cfg: DictConfig, run_dir: Path) -> None:
-    OmegaConf.save(cfg, run_dir / CONFIG)
+    """``config.yaml`` and, under Hydra, ``.hydra/{config,overrides,hydra}.yaml``: written once
+    the run owns ``run_dir`` (Hydra's own copy is off, ``hydra.output_subdir: null``, since it
+    would be written before the claim: over a live run's files)."""
+    write_atomic(run_dir / CONFIG, OmegaConf.to_yaml(cfg))
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        hc = HydraConfig.get()
+    except (ImportError, ValueError):  # not under @hydra.main (the Python API)
+        return
+    hydra_dir = run_dir / ".hydra"
+    write_atomic(hydra_dir / "config.yaml", OmegaConf.to_yaml(cfg))
+    write_atomic(hydra_dir / "overrides.yaml", OmegaConf.to_yaml(OmegaConf.create(list(hc.overrides.task))))
+    write_atomic(hydra_dir / "hydra.yaml", OmegaConf.to_yaml(OmegaConf.create({"hydra": hc})))
 
 
 def check_same_run(cfg: DictConfig, run_dir: Path, force: bool) -> None:

@@ -348,48 +348,6 @@ def check_env_target(target: str) -> None:
     env_class(target)
 
 
-def validate_population(p: DictConfig, spec: Any) -> None:
-    from rlhf_lightning.population.callback import FITNESS
-    from rlhf_lightning.population.evolution import MUTABLE
-
-    check(p.size >= 1, "population.size", p.size, "at least 1 (1: no population)")
-    if p.size == 1:
-        return
-    check(
-        spec.data == "online",
-        "population.size",
-        p.size,
-        "1 for SFT and DPO: populations train rollout algorithms",
-    )
-    every = p.evolve_every if p.evolve_every is not None else 50 * p.size
-    check(
-        every >= 0 and every % p.size == 0,
-        "population.evolve_every",
-        every,
-        f"a multiple of population.size={p.size} (every member trains as often), or 0 (never evolve)",
-    )
-    check(p.fitness in FITNESS, "population.fitness", p.fitness, f"one of {', '.join(FITNESS)}")
-    check(p.eval_rows > 0, "population.eval_rows", p.eval_rows, "> 0")
-    check(p.tournament_size >= 1, "population.tournament_size", p.tournament_size, ">= 1")
-    check(0.0 <= p.no_mutation_prob <= 1.0, "population.no_mutation_prob", p.no_mutation_prob, "in [0, 1]")
-    check(p.snapshot_every >= 0, "population.snapshot_every", p.snapshot_every, ">= 0")
-    mutate = p.mutate or {}
-    check(
-        isinstance(mutate, DictConfig | dict) and set(mutate) <= set(MUTABLE),
-        "population.mutate",
-        mutate,
-        f"{{name: {{low, high, scale}}}} with names among {', '.join(MUTABLE)}",
-    )
-    for name, r in mutate.items():
-        ok = (
-            isinstance(r, DictConfig | dict)
-            and set(r) <= {"low", "high", "scale"}
-            and {"low", "high"} <= set(r)
-        )
-        ok = ok and 0 <= r["low"] <= r["high"] and r.get("scale", 1.5) > 1
-        check(ok, f"population.mutate.{name}", r, "{low, high, scale} with 0 <= low <= high and scale > 1")
-
-
 def validate(cfg: DictConfig) -> None:
     """Check the composed config; raises :class:`ConfigError` on the first invalid value."""
     check_required(cfg)
@@ -416,7 +374,9 @@ def validate(cfg: DictConfig) -> None:
         list(cfg.reward.sources),
         f"[env] for algo.module={a.module}: rewards score rollouts, and {a.module} trains on a dataset",
     )
-    validate_population(cfg.population, spec)
+    from rlhf_lightning.population.checks import validate_population
+
+    validate_population(cfg.population, spec, cfg)
     rw = cfg.reward
     check(
         "function" not in rw.sources or rw.fn is not None,
@@ -446,6 +406,16 @@ def validate(cfg: DictConfig) -> None:
     check(cfg.logger.name in LOGGERS, "logger.name", cfg.logger.name, f"one of {', '.join(LOGGERS)}")
     validate_strategy(cfg)
     check(cfg.num_threads is None or cfg.num_threads > 0, "num_threads", cfg.num_threads, "> 0, or null")
+    check(
+        0 <= cfg.seed < 2**32,
+        "seed",
+        cfg.seed,
+        "an integer in [0, 2**32 - 1] (NumPy's and every rank's seed range)",
+    )
+    every = cfg.progress.every_n_steps
+    check(
+        every is None or every >= 0, "progress.every_n_steps", every, ">= 0 (0: no progress lines), or null"
+    )
     check(cfg.optimized_mode in ("final", "best"), "optimized_mode", cfg.optimized_mode, "final or best")
     check(
         cfg.optimized_direction in ("maximize", "minimize"),

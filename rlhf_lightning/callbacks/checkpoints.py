@@ -4,14 +4,51 @@ adapters), ``last.ckpt``, and the best one by ``checkpoint.monitor`` (``best.ckp
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+from rlhf_lightning.callbacks.adapters import export_adapters
 
 log = logging.getLogger(__name__)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Checkpoints written to a temporary file in their destination directory, flushed to disk,
+    then renamed over the final name: a kill, a full disk or a crash mid-write never leaves a
+    truncated ``.ckpt`` under its name, whatever filesystem the run directory is on.
+
+    (Lightning's own save goes through fsspec, which stages the file in ``$TMPDIR`` and moves
+    it: across filesystems that move is a copy, which a full disk can leave half-written.)
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options, got {storage_options!r}")
+        atomic_torch_save(checkpoint, Path(path))
+
+
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    """``torch.save(obj, path)`` through a temporary file beside ``path`` and ``os.replace``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
 
 STEP_FILE = re.compile(r"step_(\d+)\.ckpt$")
 STEP_DIR = re.compile(r"step_(\d+)$")
@@ -43,15 +80,20 @@ class KeepLast(L.Callback):
 
 
 class BestCheckpoint(L.Callback):
-    """``best.ckpt``: the checkpoint at the evaluation with the best ``monitor`` value so far.
+    """``best.ckpt``: the checkpoint at the evaluation with the best ``monitor`` value so far,
+    and (``export_adapters``, LoRA) its adapters in ``adapters/best`` (what ``export --which best``
+    reads).
 
     The value is the logged one (global over ranks), so every rank decides the same and joins
     the save. A metric the run never logs is reported once and otherwise ignored."""
 
-    def __init__(self, ckpt_dir: str | Path, monitor: str, mode: str = "max") -> None:
+    def __init__(
+        self, ckpt_dir: str | Path, monitor: str, mode: str = "max", export_adapters: bool = True
+    ) -> None:
         if mode not in ("max", "min"):
             raise ValueError(f"checkpoint.monitor_mode must be max or min, got {mode!r}")
         self.path = Path(ckpt_dir) / "best.ckpt"
+        self.adapters = Path(ckpt_dir) / "adapters" / "best" if export_adapters else None
         self.monitor, self.mode = monitor, mode
         self.best: float | None = None
         self._warned = False
@@ -68,7 +110,9 @@ class BestCheckpoint(L.Callback):
         v = float(value)
         if self.best is None or (v > self.best if self.mode == "max" else v < self.best):
             self.best = v
-            trainer.save_checkpoint(self.path)
+            trainer.save_checkpoint(self.path, weights_only=False)
+            if self.adapters is not None:
+                export_adapters(trainer, pl_module, [self.adapters])
 
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best}

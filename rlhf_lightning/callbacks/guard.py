@@ -105,7 +105,7 @@ class Guard(L.Callback):
             self.floor = min(self.floor, mean)
 
     def stop(self, trainer: L.Trainer, reason: str) -> None:
-        trainer.save_checkpoint(self.ckpt_path)
+        trainer.save_checkpoint(self.ckpt_path, weights_only=False)
         stop_after_this_step(trainer)
         self.stop_reason = reason
         if trainer.is_global_zero:

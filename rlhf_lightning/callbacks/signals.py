@@ -1,7 +1,7 @@
 """Stop on a signal with nothing lost: SIGTERM (cluster shutdown, ``kill``), SIGUSR1 (SLURM's
 pre-emption warning, ``#SBATCH --signal=USR1@120``) and SIGINT (Ctrl-C) let the step in progress
 finish, save a checkpoint of it, and end the run; the CLI then exits with 128 + the signal's
-number. A second Ctrl-C interrupts at once (no checkpoint of the step in progress).
+number. A second Ctrl-C interrupts at once (no checkpoint of the step in progress; exit code 130).
 
 A signal may reach one rank only: the ranks agree at each step's end (one all-reduce) and stop
 together.
@@ -40,10 +40,12 @@ class StopOnSignal(L.Callback):
         self.ckpt_path = Path(ckpt_dir) / "last.ckpt"
         self.received = 0
         self.stopped_by: int | None = None  # the signal that ended the run
+        self.interrupted = False  # a second Ctrl-C stopped the run at once
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: Any) -> None:
         if signum == signal.SIGINT and self.received == signal.SIGINT:
+            self.interrupted = True  # the run exits with 130 (128 + SIGINT), not Lightning's 1
             raise KeyboardInterrupt  # the second Ctrl-C: stop now
         self.received = signum
         log.warning(
@@ -66,7 +68,7 @@ class StopOnSignal(L.Callback):
             received = int(flag.item())
         if not received or self.stopped_by is not None:
             return
-        trainer.save_checkpoint(self.ckpt_path)
+        trainer.save_checkpoint(self.ckpt_path, weights_only=False)
         self.stopped_by = received
         stop_after_this_step(trainer)
         if trainer.is_global_zero:
