@@ -229,6 +229,8 @@ class EnvConfig:
     max_model_len: int = 512
     # raise (show prompt and completion) | zero (score 0, count env/reward_errors)
     on_reward_error: str = "raise"
+    concurrency: int = 1  # env steps of a turn run at once (threads); 1: one after the other
+    step_timeout_s: float | None = None  # a step that takes longer is cut (on_reward_error decides)
     train_size: int | None = None  # rows per split, for envs without num_rows()
     eval_size: int | None = None
 

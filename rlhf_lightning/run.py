@@ -27,8 +27,9 @@ from rlhf_lightning.callbacks.signals import StopOnSignal
 from rlhf_lightning.config import register_configs
 from rlhf_lightning.data.offline import OfflineDataModule
 from rlhf_lightning.data.prompts import PromptDataModule
+from rlhf_lightning.envs.chat import ChatFormatter, check_template, env_tools
 from rlhf_lightning.envs.factory import env_factory, split_sizes
-from rlhf_lightning.envs.harness import ChatFormatter, RolloutHarness
+from rlhf_lightning.envs.harness import RolloutHarness
 from rlhf_lightning.loggers import build_loggers, hydra_job, wandb_location
 from rlhf_lightning.models.build import build_policy, load_model, load_tokenizer
 from rlhf_lightning.population.callback import Population
@@ -222,14 +223,19 @@ def build(cfg: DictConfig, output_dir: Path) -> tuple[L.LightningModule, L.Light
     factory = env_factory(e._target_, cast(dict[str, Any], OmegaConf.to_container(e.kwargs, resolve=True)))
     train_rows, eval_rows = split_sizes(factory, e.train_size, e.eval_size)
     spec = get_algorithm(a.module)
+    formatter = ChatFormatter(tokenizer, e.system_prompt, e.apply_chat_template, tools=env_tools(factory))
+    if e.max_turns > 1:
+        check_template(formatter)
     harness = RolloutHarness(
         factory,
         tokenizer,
-        ChatFormatter(tokenizer, e.system_prompt, e.apply_chat_template),
+        formatter,
         max_turns=e.max_turns,
         max_model_len=e.max_model_len,
         on_reward_error=e.on_reward_error,
         reward=training_reward(cfg.reward) if spec.data == "online" else None,
+        concurrency=e.concurrency,
+        step_timeout_s=e.step_timeout_s,
     )
     model = load_model(
         m.path,

@@ -394,6 +394,15 @@ def validate(cfg: DictConfig) -> None:
     check_env_target(e._target_)
     check(e.max_turns >= 1, "env.max_turns", e.max_turns, "at least 1")
     check(
+        e.concurrency >= 1, "env.concurrency", e.concurrency, "at least 1 (1: env steps one after the other)"
+    )
+    check(
+        e.step_timeout_s is None or e.step_timeout_s > 0,
+        "env.step_timeout_s",
+        e.step_timeout_s,
+        "> 0 seconds, or null (no limit)",
+    )
+    check(
         e.on_reward_error in ("raise", "zero"), "env.on_reward_error", e.on_reward_error, "one of raise, zero"
     )
     check(cfg.eval.num_samples >= 1, "eval.num_samples", cfg.eval.num_samples, "at least 1")

@@ -13,83 +13,20 @@ import math
 import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, cast
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from rlhf_lightning.envs.base import Observation, TextEnv
+from rlhf_lightning.envs.chat import ChatFormatter
+from rlhf_lightning.envs.stepping import EnvStepper, StepOutcome, StepTimeout
 from rlhf_lightning.envs.trajectory import Trajectory, TrajectoryBatch, collate
 from rlhf_lightning.rewards import CombinedReward
 from rlhf_lightning.rollout.engine import Completion, RolloutEngine, SamplingParams
 
+__all__ = ["ChatFormatter", "RolloutHarness", "RolloutResult", "reward_value"]
+
 log = logging.getLogger(__name__)
-
-
-class ChatFormatter:
-    """Turns observations into token ids with the tokenizer's chat template (or raw text)."""
-
-    def __init__(
-        self,
-        tokenizer: PreTrainedTokenizerBase,
-        system_prompt: str | None = None,
-        apply_chat_template: bool = True,
-    ) -> None:
-        self.tokenizer = tokenizer
-        self.system_prompt = system_prompt
-        self.apply_chat_template = apply_chat_template
-
-    def messages(self, observation: Observation) -> list[dict[str, str]]:
-        msgs = (
-            [{"role": "user", "content": observation}] if isinstance(observation, str) else list(observation)
-        )
-        if self.system_prompt and not any(m.get("role") == "system" for m in msgs):
-            msgs = [{"role": "system", "content": self.system_prompt}, *msgs]
-        return msgs
-
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
-        return cast(
-            str,
-            self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False
-            ),
-        )
-
-    def prompt_text(self, observation: Observation) -> str:
-        if not self.apply_chat_template:
-            if not isinstance(observation, str):
-                return "\n".join(m["content"] for m in observation)
-            return observation if not self.system_prompt else f"{self.system_prompt}\n{observation}"
-        return self.render(self.messages(observation), add_generation_prompt=True)
-
-    def prompt_ids(self, observation: Observation) -> list[int]:
-        return self.tokenizer(self.prompt_text(observation), add_special_tokens=False).input_ids
-
-    def observation_text(self, observation: Observation) -> str:
-        """The text between an assistant turn's end-of-turn token (already generated) and the
-        next generation prompt: the env's observation as the next user turn."""
-        if not self.apply_chat_template:
-            text = (
-                observation if isinstance(observation, str) else "\n".join(m["content"] for m in observation)
-            )
-            return f"\n{text}\n"
-        probe = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
-        new = (
-            [{"role": "user", "content": observation}] if isinstance(observation, str) else list(observation)
-        )
-        base = self.render(probe)
-        full = self.render(probe + new, add_generation_prompt=True)
-        if not full.startswith(base):
-            raise ValueError(
-                "the chat template renders earlier turns differently once a turn is added; multi-turn needs a prefix-stable template"
-            )
-        tail = base[base.rindex("A") + 1 :]  # what closes the assistant turn, e.g. "<|im_end|>\n"
-        eos = str(self.tokenizer.eos_token or "")
-        if eos and tail.startswith(eos):
-            tail = tail[len(eos) :]  # the engine generated it already
-        return tail + full[len(base) :]
-
-    def observation_ids(self, observation: Observation) -> list[int]:
-        return self.tokenizer(self.observation_text(observation), add_special_tokens=False).input_ids
 
 
 @dataclass
@@ -145,10 +82,13 @@ class RolloutHarness:
         formatter: renders observations into prompt ids.
         max_turns: episode length cap.
         max_model_len: a trajectory stops (``truncated``) when its next turn could exceed it.
-        on_reward_error: ``raise`` (default) re-raises an exception from ``env.step`` with the
-            prompt and completion shown; ``zero`` scores that reply 0, ends the episode and
-            counts it in ``env/reward_errors``.
+        on_reward_error: ``raise`` (default) re-raises an exception from ``env.step`` (or its
+            timeout) with the prompt and completion shown; ``zero`` scores that reply 0, ends
+            the episode and counts it in ``env/reward_errors`` (timeouts also in
+            ``env/step_timeouts``).
         reward: the training reward when it is not the env's alone (``reward=function|model``).
+        concurrency: envs stepped at once within a turn (threads; 1: one after the other).
+        step_timeout_s: a step that takes longer is cut (None: no limit).
     """
 
     def __init__(
@@ -160,9 +100,12 @@ class RolloutHarness:
         max_model_len: int = 512,
         on_reward_error: str = "raise",
         reward: CombinedReward | None = None,
+        concurrency: int = 1,
+        step_timeout_s: float | None = None,
     ) -> None:
         if on_reward_error not in ("raise", "zero"):
             raise ValueError(f"on_reward_error must be raise or zero, got {on_reward_error!r}")
+        self.stepper = EnvStepper(concurrency, step_timeout_s)
         self.on_reward_error = on_reward_error
         self.reward = reward
         self.env_factory = env_factory
@@ -240,7 +183,7 @@ class RolloutHarness:
                 f"every prompt of this batch is longer than env.max_model_len={self.max_model_len} minus "
                 f"rollout.max_new_tokens={params.max_new_tokens}; raise env.max_model_len"
             )
-        errors = 0
+        errors = timeouts = 0
         live = list(range(len(trajs)))
         for turn in range(self.max_turns):
             if progress is not None:
@@ -250,10 +193,17 @@ class RolloutHarness:
             replies = self.tokenizer.batch_decode(
                 [c.token_ids for c in completions], skip_special_tokens=True
             )
-            still = []
             for i, comp, text in zip(live, completions, replies):
-                going, failed = self._step(envs[i], trajs[i], comp, text, turn, params.max_new_tokens)
+                self._append_turn(trajs[i], comp, text, turn)
+            # The env steps of this turn, possibly concurrent; handled in episode order.
+            outcomes = self.stepper.step_all([envs[i] for i in live], replies)
+            still = []
+            for i, comp, text, outcome in zip(live, completions, replies, outcomes):
+                going, failed = self._after_step(
+                    envs[i], trajs[i], comp, text, outcome, params.max_new_tokens
+                )
                 errors += failed
+                timeouts += failed and isinstance(outcome.error, StepTimeout)
                 if going:
                     still.append(i)
             live = still
@@ -267,13 +217,13 @@ class RolloutHarness:
         batch = collate(trajs, self.tokenizer.pad_token_id)
         metrics["rollout/dropped_long_prompts"] = float(dropped)
         metrics["env/reward_errors"] = float(errors)
+        if self.stepper.timeout_s is not None:
+            metrics["env/step_timeouts"] = float(timeouts)
         return RolloutResult(batch, trajs, metrics)
 
-    def _step(
-        self, env: TextEnv, traj: Trajectory, comp: Completion, text: str, turn: int, max_new_tokens: int
-    ) -> tuple[bool, bool]:
-        """Append one generated turn (``text``: its decoded ids, for the env only) and the env's
-        reply. Returns (episode goes on, the env raised)."""
+    @staticmethod
+    def _append_turn(traj: Trajectory, comp: Completion, text: str, turn: int) -> None:
+        """Append one generated turn (``text``: its decoded ids, for the env only)."""
         traj.token_ids += comp.token_ids
         traj.action_turn += [turn] * len(comp.token_ids)
         traj.sampling_logps += comp.logprobs
@@ -281,17 +231,36 @@ class RolloutHarness:
         traj.turn_lengths.append(len(comp.token_ids))
         traj.completion_text += text if turn == 0 else f"\n[turn {turn}] {text}"
         traj.replies.append(text)
+
+    def _after_step(
+        self,
+        env: TextEnv,
+        traj: Trajectory,
+        comp: Completion,
+        text: str,
+        outcome: StepOutcome,
+        max_new_tokens: int,
+    ) -> tuple[bool, bool]:
+        """Record the env's reply to the turn just appended, and the next observation's ids.
+        Returns (episode goes on, the env raised or timed out)."""
         failed = False
-        try:
-            out = env.step(text)
-        except Exception as err:
+        out: Any
+        if outcome.error is not None:
+            err = outcome.error
+            what = (
+                f"timed out: it {err} (env.step_timeout_s)"
+                if isinstance(err, StepTimeout)
+                else f"raised {type(err).__name__}: {err}"
+            )
             if self.on_reward_error == "raise":
                 raise RuntimeError(
-                    f"{type(env).__name__}.step raised {type(err).__name__}: {err}\n"
+                    f"{type(env).__name__}.step {what}\n"
                     f"  prompt: {traj.prompt_text!r}\n  completion: {text!r}\n"
                     "Set env.on_reward_error=zero to score such replies 0 (counted in env/reward_errors)."
                 ) from err
             out, failed = ("", 0.0, True, False, {}), True
+        else:
+            out = outcome.output
         obs, reward, terminated, truncated, info = _check_step_output(env, out)
         traj.rewards.append(reward)
         traj.infos.append(info)
@@ -310,6 +279,7 @@ class RolloutHarness:
         traj.token_ids += ids
         traj.action_turn += [-1] * len(ids)
         traj.sampling_logps += [0.0] * len(ids)
+        traj.observations.append(obs)
         return True, failed
 
     @staticmethod

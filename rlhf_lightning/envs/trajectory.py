@@ -39,6 +39,7 @@ class Trajectory:
     turn_lengths: list[int] = field(default_factory=list)
     replies: list[str] = field(default_factory=list)  # each turn's decoded reply (for reward functions)
     observation: Any = ""  # the env's first observation (str or chat messages)
+    observations: list[Any] = field(default_factory=list)  # each later observation the trajectory holds
     task_info: dict[str, Any] = field(default_factory=dict)  # the env's reset info (dataset columns)
     env_rewards: list[float] = field(
         default_factory=list

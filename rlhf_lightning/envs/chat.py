@@ -1,0 +1,158 @@
+"""Observations to token ids through the tokenizer's chat template (or raw text), token-exactly.
+
+The harness appends, after each generated turn, exactly the text the template renders between
+that assistant turn and the next generation prompt: the env's observation as the next user turn,
+or tool results in the template's own tool-role format. That text is the difference between two
+renders of a probe conversation, so it is right only for *prefix-stable* templates: ones that
+render a conversation's earlier turns the same way once more turns follow.
+:meth:`ChatFormatter.check_prefix_stable` tests that once, at start-up.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from transformers import PreTrainedTokenizerBase
+
+from rlhf_lightning.envs.base import Message, Observation
+from rlhf_lightning.validation import ConfigError
+
+# What the start-up probe conversation puts in an assistant turn: reasoning that templates which
+# strip earlier reasoning (e.g. Qwen3's) drop once another turn follows.
+PROBE_REASONING = "<think>probe reasoning</think>"
+
+
+class ChatFormatter:
+    """Turns observations into token ids with the tokenizer's chat template (or raw text).
+
+    Args:
+        tokenizer: its ``apply_chat_template`` renders every turn.
+        system_prompt: a system message put first when the observation has none.
+        apply_chat_template: false for base models: raw text turns.
+        tools: JSON schemas of the tools the model may call (``apply_chat_template(tools=...)``
+            lists them, usually in the system turn); None: no tools.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        system_prompt: str | None = None,
+        apply_chat_template: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.system_prompt = system_prompt
+        self.apply_chat_template = apply_chat_template
+        self.tools = tools or None
+
+    def messages(self, observation: Observation) -> list[Message]:
+        msgs = (
+            [{"role": "user", "content": observation}] if isinstance(observation, str) else list(observation)
+        )
+        if self.system_prompt and not any(m.get("role") == "system" for m in msgs):
+            msgs = [{"role": "system", "content": self.system_prompt}, *msgs]
+        return msgs
+
+    def render(self, messages: list[Message], add_generation_prompt: bool = False) -> str:
+        return cast(
+            str,
+            self.tokenizer.apply_chat_template(
+                messages,
+                tools=cast(Any, self.tools),
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+            ),
+        )
+
+    def prompt_text(self, observation: Observation) -> str:
+        if not self.apply_chat_template:
+            if not isinstance(observation, str):
+                return "\n".join(m["content"] for m in observation)
+            return observation if not self.system_prompt else f"{self.system_prompt}\n{observation}"
+        return self.render(self.messages(observation), add_generation_prompt=True)
+
+    def prompt_ids(self, observation: Observation) -> list[int]:
+        return self.tokenizer(self.prompt_text(observation), add_special_tokens=False).input_ids
+
+    def observation_text(self, observation: Observation) -> str:
+        """The text between an assistant turn's end-of-turn token (already generated) and the
+        next generation prompt: the env's observation as the next user turn (or its messages:
+        tool results render in the template's tool-role format)."""
+        if not self.apply_chat_template:
+            text = (
+                observation if isinstance(observation, str) else "\n".join(m["content"] for m in observation)
+            )
+            return f"\n{text}\n"
+        probe: list[Message] = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
+        new = (
+            [{"role": "user", "content": observation}] if isinstance(observation, str) else list(observation)
+        )
+        base = self.render(self.messages(probe))
+        full = self.render(self.messages(probe + new), add_generation_prompt=True)
+        if not full.startswith(base):
+            raise ValueError(
+                "the chat template renders earlier turns differently once a turn is added; multi-turn "
+                "needs a prefix-stable template (see ChatFormatter.check_prefix_stable)"
+            )
+        tail = base[base.rindex("A") + 1 :]  # what closes the assistant turn, e.g. "<|im_end|>\n"
+        eos = str(self.tokenizer.eos_token or "")
+        if eos and tail.startswith(eos):
+            tail = tail[len(eos) :]  # the engine generated it already
+        return tail + full[len(base) :]
+
+    def observation_ids(self, observation: Observation) -> list[int]:
+        return self.tokenizer(self.observation_text(observation), add_special_tokens=False).input_ids
+
+    def check_prefix_stable(self, followups: list[list[Message]] | None = None) -> None:
+        """Refuse (``ValueError`` naming the turn) a template that renders earlier turns
+        differently once later ones follow: multi-turn trajectories would then differ from
+        what the template renders for the whole conversation.
+
+        The probe conversation is a user turn, an assistant turn with reasoning, then each of
+        ``followups`` (default: another user turn; a tool env adds tool results) followed by an
+        assistant turn, and a last user turn.
+        """
+        if not self.apply_chat_template:
+            return
+        rounds = followups or [[{"role": "user", "content": "second question"}]]
+        conversation: list[Message] = [
+            {"role": "user", "content": "first question"},
+            {"role": "assistant", "content": f"{PROBE_REASONING}first answer"},
+        ]
+        for k, messages in enumerate(rounds):
+            conversation += [*messages, {"role": "assistant", "content": f"answer {k + 2}"}]
+        conversation.append({"role": "user", "content": "last question"})
+        convo = self.messages(conversation)
+        previous = self.render(convo[:1])
+        for n in range(2, len(convo) + 1):
+            text = self.render(convo[:n])
+            if not text.startswith(previous):
+                changed = convo[n - 2]
+                raise ValueError(
+                    "the chat template is not prefix-stable: it renders the conversation's earlier turns "
+                    f"differently once a {convo[n - 1]['role']!r} turn follows (turn {n - 1}, after a "
+                    f"{changed['role']!r} turn{' with reasoning' if PROBE_REASONING in changed['content'] else ''}; "
+                    "e.g. it strips earlier reasoning). Multi-turn trajectories need a template that "
+                    "keeps earlier turns as they were: set model.chat_template to one that does, or "
+                    "env.max_turns=1"
+                )
+            previous = text
+
+
+def env_tools(factory: Any) -> list[dict[str, Any]] | None:
+    """The JSON schemas of the tools an env offers (``tool_schemas()``), for the chat template."""
+    schemas = getattr(factory(), "tool_schemas", None)
+    return list(schemas()) if callable(schemas) else None
+
+
+def check_template(formatter: ChatFormatter) -> None:
+    """Multi-turn needs a prefix-stable chat template: refused at start-up otherwise."""
+    followups = [[{"role": "user", "content": "second question"}]]
+    if formatter.tools:
+        followups.append([{"role": "tool", "content": "tool result"}])
+    try:
+        formatter.check_prefix_stable(followups)
+    except Exception as err:  # the template's own errors (e.g. no tool role) say what it cannot render
+        raise ConfigError(
+            "model.chat_template", "<the tokenizer's>", f"{type(err).__name__}: {err}"
+        ) from None

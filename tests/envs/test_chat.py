@@ -1,0 +1,48 @@
+"""Chat templates: tools reach the template, and templates that rewrite earlier turns are refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlhf_lightning.envs.chat import ChatFormatter
+
+# Like Qwen3's: earlier assistant turns lose their reasoning once another turn follows.
+STRIPPING = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}"
+    "{{ '<|im_start|>assistant\n' + m['content'].split('</think>')[-1] + '<|im_end|>\n' }}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def test_the_embedded_templates_are_prefix_stable(tiny_tokenizer):
+    ChatFormatter(tiny_tokenizer).check_prefix_stable()
+    ChatFormatter(tiny_tokenizer, system_prompt="Be brief.").check_prefix_stable()
+
+
+def test_a_template_that_strips_earlier_reasoning_is_refused(tiny_tokenizer, monkeypatch):
+    monkeypatch.setattr(tiny_tokenizer, "chat_template", STRIPPING)
+    with pytest.raises(ValueError, match=r"not prefix-stable.*after a 'assistant' turn with reasoning"):
+        ChatFormatter(tiny_tokenizer).check_prefix_stable()
+
+
+def test_a_multi_turn_run_with_such_a_template_stops_at_start_up(fast_cfg, tmp_path):
+    from rlhf_lightning.run import build
+    from rlhf_lightning.validation import ConfigError
+
+    cfg = fast_cfg("env=guess_number", f"model.chat_template={STRIPPING!r}".replace("\n", "\\n"))
+    with pytest.raises(ConfigError, match=r"model.chat_template=.*not prefix-stable"):
+        build(cfg, tmp_path)
+
+
+def test_tools_reach_the_template(tiny_tokenizer, monkeypatch):
+    template = (
+        "{% if tools %}{{ '<|im_start|>system\nTools: ' + (tools | map(attribute='function.name') | join(',')) + '<|im_end|>\n' }}{% endif %}"
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    )
+    monkeypatch.setattr(tiny_tokenizer, "chat_template", template)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
+    text = ChatFormatter(tiny_tokenizer, tools=tools).prompt_text("Q")
+    assert text.startswith("<|im_start|>system\nTools: add<|im_end|>\n<|im_start|>user\nQ")
+    assert "Tools" not in ChatFormatter(tiny_tokenizer).prompt_text("Q")
