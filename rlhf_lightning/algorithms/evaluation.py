@@ -1,15 +1,22 @@
-"""Held-out evaluation for rollout algorithms: greedy and sampled episodes on the eval split."""
+"""Held-out evaluation for rollout algorithms: greedy and sampled episodes on the eval split.
+
+With several processes each rank evaluates its own rows (``rlhf_lightning.data.prompts``:
+every row on exactly one rank); a metric is the global sum over the global count, so it equals
+the one-process value on the same episodes.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, cast
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from rlhf_lightning.algorithms import rng
 from rlhf_lightning.algorithms.common import ModuleMixin
+from rlhf_lightning.data.prompts import PAD_ROW
 from rlhf_lightning.envs.harness import RolloutResult
 from rlhf_lightning.models.sharding import gathered
 from rlhf_lightning.rollout.engine import SamplingParams
@@ -38,12 +45,50 @@ def pass_ks(n: int) -> list[int]:
     return sorted({*ks, n})
 
 
+def episode_values(result: RolloutResult, n: int) -> dict[str, torch.Tensor]:
+    """The values the metrics average, from ``n`` episodes per problem: ``accuracy`` and
+    ``return`` per episode (E,), and with n > 1 ``pass@k`` per problem (E / n,), k in
+    :func:`pass_ks`. Episodes are row-major (a problem's n episodes are contiguous)."""
+    success = torch.tensor([episode_success(t) for t in result.trajectories], dtype=torch.float64)
+    out = {"accuracy": success, "return": result.batch.returns.detach().double().cpu()}
+    if n > 1:
+        correct = success.view(-1, n).sum(-1).long().tolist()  # (E / n,) per problem
+        for k in pass_ks(n):
+            out[f"pass@{k}"] = torch.tensor([pass_at_k(n, c, k) for c in correct], dtype=torch.float64)
+    return out
+
+
+def add_total(totals: dict[str, torch.Tensor], key: str, values: torch.Tensor, counted: bool = True) -> None:
+    """Add the sum and the number of ``values`` (any shape) to ``totals[key]``, a float64
+    ``[sum, count]``. ``counted=False`` adds only the key (a padding batch: every rank then holds
+    the same keys, in the same order, for the one collective at the epoch's end)."""
+    total = totals.setdefault(key, torch.zeros(2, dtype=torch.float64))
+    if counted:
+        total += torch.stack([values.detach().double().sum().cpu(), torch.tensor(float(values.numel()))])
+
+
+def global_means(
+    totals: dict[str, torch.Tensor], sum_over_ranks: Callable[[torch.Tensor], torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Each metric's global mean: the sum over the count, both summed over the ranks, in one
+    ``sum_over_ranks`` of the (K, 2) stack of every key's ``[sum, count]`` (sorted keys: the same
+    order on every rank). Not a mean of per-rank means (ranks hold different numbers of rows).
+    A metric with no values anywhere is left out. Values: float32 0-d tensors on the CPU."""
+    keys = sorted(totals)
+    if not keys:  # no validation batches (then on no rank)
+        return {}
+    summed = sum_over_ranks(torch.stack([totals[k] for k in keys])).cpu()  # (K, 2)
+    return {k: (s / c).float() for k, (s, c) in zip(keys, summed) if c > 0}
+
+
 class RolloutEvaluation(ModuleMixin):
     """Validation loop: ``eval/accuracy_{greedy,sampled}``, ``eval/return_{greedy,sampled}`` and,
     with ``eval_num_samples`` n > 1 sampled completions per problem, ``eval/pass@k`` for k <= n.
 
     Expects ``self.sampling``, ``self.eval_greedy``, ``self.eval_sampled``,
-    ``self.eval_num_samples`` and ``self.rollout``.
+    ``self.eval_num_samples`` and ``self.rollout``. Batches are eval row indices; a batch of
+    ``PAD_ROW`` only (a rank with fewer rows, :func:`~rlhf_lightning.data.prompts.rank_eval_rows`)
+    runs the same rollouts on a stand-in row and counts none of them.
     """
 
     sampling: SamplingParams
@@ -54,7 +99,8 @@ class RolloutEvaluation(ModuleMixin):
     eval_sampled: bool
     eval_num_samples: int = 1
     last_eval_step: int
-    _eval_outputs: dict[str, list[torch.Tensor]]
+    _eval_outputs: dict[str, list[torch.Tensor]]  # per-example values of subclasses (each counted once)
+    _eval_totals: dict[str, torch.Tensor] | None = None  # [sum, count] per metric, this rank
     _rng_before_eval: dict[str, Any] | None = None
 
     def rollout(
@@ -79,6 +125,10 @@ class RolloutEvaluation(ModuleMixin):
                 device=self.device,
             )
 
+    def sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the ranks (one all-reduce; ``t`` itself with one process)."""
+        return self.trainer.strategy.reduce(t.to(self.device), reduce_op="sum")
+
     def on_validation_start(self) -> None:
         # Evaluation samples from the global RNGs; put them back afterwards, so training draws
         # the same numbers whether or not (and however often) it evaluates: a resumed run,
@@ -94,9 +144,13 @@ class RolloutEvaluation(ModuleMixin):
 
     def on_validation_epoch_start(self) -> None:
         self._eval_outputs = {}
+        self._eval_totals = {}
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        rows = batch.tolist()
+        if self._eval_totals is None:  # called outside a validation epoch
+            self._eval_totals = {}
+        rows = [r for r in batch.tolist() if r != PAD_ROW]
+        padding = not rows  # this rank has no row left: the same rollouts, on row 0, uncounted
         modes = []
         if self.eval_greedy:
             modes.append(("greedy", dataclasses.replace(self.sampling, temperature=0.0, n=1)))
@@ -104,20 +158,16 @@ class RolloutEvaluation(ModuleMixin):
             modes.append(("sampled", self.sampling))
         for name, params in modes:
             n = self.eval_num_samples if name == "sampled" else 1
-            result = self.rollout(rows, params, group_size=n, evaluation=True)
-            success = torch.tensor([episode_success(t) for t in result.trajectories], dtype=torch.float32)
-            self._eval_outputs.setdefault(f"eval/accuracy_{name}", []).append(success)
-            self._eval_outputs.setdefault(f"eval/return_{name}", []).append(result.batch.returns.float())
-            if n > 1:
-                correct = success.view(-1, n).sum(-1).long().tolist()  # per problem
-                for k in pass_ks(n):
-                    values = torch.tensor([pass_at_k(n, c, k) for c in correct], dtype=torch.float32)
-                    self._eval_outputs.setdefault(f"eval/pass@{k}", []).append(values)
+            result = self.rollout(rows or [0], params, group_size=n, evaluation=True)
+            for key, values in episode_values(result, n).items():
+                metric = f"eval/{key}" if key.startswith("pass@") else f"eval/{key}_{name}"
+                add_total(self._eval_totals, metric, values, counted=not padding)
 
     def on_validation_epoch_end(self) -> None:
-        metrics = {}
+        totals = self._eval_totals if self._eval_totals is not None else {}
         for key, chunks in self._eval_outputs.items():
-            metrics[key] = cast(torch.Tensor, self.all_gather(torch.cat(chunks))).float().mean().cpu()
+            add_total(totals, key, torch.cat(chunks))
+        metrics = global_means(totals, self.sum_over_ranks)
         self.log_metrics(metrics)
         for key, short in (("eval/accuracy_greedy", "acc"), ("eval/accuracy_sampled", "acc_sampled")):
             if key in metrics:

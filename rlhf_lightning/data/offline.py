@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from rlhf_lightning.data.files import read_rows, require_columns, split_rows
-from rlhf_lightning.data.prompts import RowDataset, per_rank_batch
+from rlhf_lightning.data.prompts import eval_row_loader, per_rank_batch
 from rlhf_lightning.data.resumable import resumable_loader
 from rlhf_lightning.envs.harness import ChatFormatter
 from rlhf_lightning.envs.trajectory import Trajectory, TrajectoryBatch, collate
@@ -244,13 +244,6 @@ class OfflineDataModule(L.LightningDataModule):
                 generator=torch.Generator(),
             )
         ]
-        if self.env_eval_rows:
-            loaders.append(
-                DataLoader(
-                    RowDataset(self.env_eval_rows),
-                    batch_size=self.env_eval_batch_size,
-                    collate_fn=lambda rows: torch.tensor(rows, dtype=torch.long),
-                    generator=torch.Generator(),
-                )
-            )
+        if self.env_eval_rows:  # env rows split over ranks, each once (see eval_row_loader)
+            loaders.append(eval_row_loader(self, self.env_eval_rows, self.env_eval_batch_size))
         return loaders
