@@ -20,12 +20,13 @@ $(VENV)/.installed: pyproject.toml | $(PY)
 	$(PIP) install -q -e .
 	touch $@
 
+# The dev extras with GEM (which brings reasoning-gym) for the env=gem / env=reasoning_gym tests;
 # liger-kernel and the Triton it imports (its kernels cannot run on a CPU, but its chunked losses
 # are plain PyTorch and its model patches import there): the tests check our loss against Liger's
 # and the patch wiring on the CPU. --no-deps keeps pip from resolving a CUDA torch for them.
 TRITON ?= triton==3.5.0
 $(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml
-	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q -e ".[dev,gem]"
 	$(PIP) install -q --no-deps "liger-kernel==0.8.5" "$(TRITON)"
 	touch $@
 

@@ -39,7 +39,9 @@ class ModelConfig:
     adapter_path: str | None = None  # start from saved adapters (actor/, reference/, critic/): chaining
     reference_from_checkpoint: bool = False  # load adapter_path's reference/ instead of copying the actor
     pad_token: str | None = None  # set when the tokenizer has none (e.g. its eos token)
-    chat_template: str | None = None  # a Jinja template, when the tokenizer has none
+    chat_template: str | None = (
+        None  # a Jinja template or a .jinja file's path (e.g. ${asset:chat_templates/tools.jinja})
+    )
     # QLoRA (GPU): the frozen base quantised by bitsandbytes, LoRA on top, lm_head unquantised.
     quantization: str | None = None  # null | 4bit | 8bit
     quant_type: str = "nf4"  # 4bit: nf4 | fp4
@@ -199,6 +201,8 @@ class RolloutConfig:
     min_p: float = 0.0  # 0.0: off; keep tokens with p >= min_p * max p
     stop: list[str] = field(default_factory=list)  # stop strings (the matched text stays in the reply)
     stop_token_ids: list[int] = field(default_factory=list)  # extra stop ids besides the eos token
+    # How tool calls are read from a reply (env=tools): a name in rlhf_lightning.envs.tool_parsers
+    tool_parser: str = "hermes"
 
 
 @dataclass
@@ -308,7 +312,7 @@ class EvalConfig:
     greedy: bool = True
     sampled: bool = True  # samples at the training temperature
     num_samples: int = 1  # sampled completions per problem; > 1 also logs eval/pass@k for k <= num_samples
-    batch_size: int = 200  # prompts per validation batch
+    batch_size: int = 200  # prompts per validation batch and rank
 
 
 @dataclass

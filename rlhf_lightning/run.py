@@ -224,8 +224,7 @@ def build(cfg: DictConfig, output_dir: Path) -> tuple[L.LightningModule, L.Light
     train_rows, eval_rows = split_sizes(factory, e.train_size, e.eval_size)
     spec = get_algorithm(a.module)
     formatter = ChatFormatter(tokenizer, e.system_prompt, e.apply_chat_template, tools=env_tools(factory))
-    if e.max_turns > 1:
-        check_template(formatter)
+    check_template(formatter, multi_turn=e.max_turns > 1)
     harness = RolloutHarness(
         factory,
         tokenizer,

@@ -65,6 +65,15 @@ def validate_model(m: DictConfig) -> None:
     check_model_path("model.path", m.path)
     if m.tokenizer_path is not None:
         check_model_path("model.tokenizer_path", m.tokenizer_path)
+    template = m.chat_template
+    check(
+        template is None
+        or not str(template).strip().endswith(".jinja")
+        or Path(str(template).strip()).expanduser().is_file(),
+        "model.chat_template",
+        template,
+        "an existing .jinja file, or a Jinja template string",
+    )
     check(m.dtype in DTYPES, "model.dtype", m.dtype, f"one of {', '.join(DTYPES)}")
     check(m.finetune in ("lora", "full"), "model.finetune", m.finetune, "one of lora, full")
     check(m.quant_type in QUANT_TYPES, "model.quant_type", m.quant_type, f"one of {', '.join(QUANT_TYPES)}")

@@ -145,8 +145,22 @@ def env_tools(factory: Any) -> list[dict[str, Any]] | None:
     return list(schemas()) if callable(schemas) else None
 
 
-def check_template(formatter: ChatFormatter) -> None:
-    """Multi-turn needs a prefix-stable chat template: refused at start-up otherwise."""
+def check_template(formatter: ChatFormatter, multi_turn: bool) -> None:
+    """At start-up: an env's tools must reach the prompt (a template that ignores ``tools=``
+    would train a model on tools it is never shown), and multi-turn needs a prefix-stable
+    template."""
+    if formatter.tools and formatter.apply_chat_template:
+        text = formatter.render(formatter.messages("Q"), add_generation_prompt=True)
+        missing = [t["function"]["name"] for t in formatter.tools if t["function"]["name"] not in text]
+        if missing:
+            raise ConfigError(
+                "model.chat_template",
+                "<the tokenizer's>",
+                f"a template that renders tools= (the prompt lacks {', '.join(missing)}); "
+                "e.g. model.chat_template=${asset:chat_templates/tools.jinja}",
+            )
+    if not multi_turn:
+        return
     followups = [[{"role": "user", "content": "second question"}]]
     if formatter.tools:
         followups.append([{"role": "tool", "content": "tool result"}])

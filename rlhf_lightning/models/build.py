@@ -97,6 +97,18 @@ def check_vocab(tok: PreTrainedTokenizerBase, path: str, field: str) -> None:
     )
 
 
+def read_chat_template(value: str) -> str:
+    """``model.chat_template``: a Jinja template, or the path of a ``.jinja`` file holding one."""
+    if value.strip().endswith(".jinja"):
+        path = Path(value.strip()).expanduser()
+        if not path.is_file():
+            raise ConfigError(
+                "model.chat_template", value, "an existing .jinja file, or a Jinja template string"
+            )
+        return path.read_text(encoding="utf-8")
+    return value
+
+
 def load_tokenizer(
     path: str,
     *,
@@ -120,7 +132,7 @@ def load_tokenizer(
     if pad_token is not None:
         tok.pad_token = pad_token
     if chat_template is not None:
-        tok.chat_template = chat_template
+        tok.chat_template = read_chat_template(chat_template)
     if tok.pad_token_id is None:
         raise ConfigError(
             "model.pad_token",

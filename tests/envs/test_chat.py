@@ -46,3 +46,24 @@ def test_tools_reach_the_template(tiny_tokenizer, monkeypatch):
     text = ChatFormatter(tiny_tokenizer, tools=tools).prompt_text("Q")
     assert text.startswith("<|im_start|>system\nTools: add<|im_end|>\n<|im_start|>user\nQ")
     assert "Tools" not in ChatFormatter(tiny_tokenizer).prompt_text("Q")
+
+
+def test_a_template_that_ignores_tools_is_refused(tiny_tokenizer):
+    from rlhf_lightning.envs.chat import check_template
+    from rlhf_lightning.validation import ConfigError
+
+    tools = [{"type": "function", "function": {"name": "calculator", "parameters": {}}}]
+    with pytest.raises(ConfigError, match=r"model.chat_template=.*renders tools= \(the prompt lacks calculator\)"):
+        check_template(ChatFormatter(tiny_tokenizer, tools=tools), multi_turn=False)
+
+
+def test_chat_template_from_a_jinja_file(tmp_path):
+    from rlhf_lightning.config import ASSETS
+    from rlhf_lightning.models.build import read_chat_template
+    from rlhf_lightning.validation import ConfigError
+
+    path = ASSETS / "chat_templates" / "tools.jinja"
+    assert read_chat_template(str(path)) == path.read_text()
+    assert read_chat_template("{{ messages }}") == "{{ messages }}"
+    with pytest.raises(ConfigError, match=r"model.chat_template=.*an existing .jinja file"):
+        read_chat_template(str(tmp_path / "missing.jinja"))

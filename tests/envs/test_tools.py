@@ -1,0 +1,577 @@
+"""ToolEnv through the harness and the tools chat template: token-exact round trips, error tool
+messages, the call limit, the calculator task and ``env=tools`` training."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from transformers.utils import get_json_schema
+
+from rlhf_lightning.config import ASSETS
+from rlhf_lightning.envs.chat import ChatFormatter, check_template, env_tools
+from rlhf_lightning.envs.harness import RolloutHarness
+from rlhf_lightning.envs.tool_calc import ToolCalcEnv
+from rlhf_lightning.envs.tool_parsers import ToolCall, parse_hermes
+from rlhf_lightning.envs.tool_tasks import (
+    TABLE,
+    AddLookupToolEnv,
+    CalculatorToolEnv,
+    add,
+    calculator,
+    lookup,
+)
+from rlhf_lightning.envs.tools import LIMIT_NOTE, ToolEnv
+from rlhf_lightning.models.build import load_tokenizer
+from rlhf_lightning.rollout.engine import Completion, SamplingParams
+from rlhf_lightning.validation import ConfigError
+
+TEMPLATE = ASSETS / "chat_templates" / "tools.jinja"
+RELEASE = threading.Event()  # lets a timed-out sleepy() thread finish at the end of the module
+
+
+def boom(x: int) -> str:
+    """Always fails.
+
+    Args:
+        x: anything
+    """
+    raise RuntimeError(f"boom {x}")
+
+
+def sleepy(seconds: float) -> str:
+    """Sleeps, then answers.
+
+    Args:
+        seconds: how long to sleep
+    """
+    RELEASE.wait(seconds)
+    return "awake"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_sleepers():
+    yield
+    RELEASE.set()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """The embedded chat model's tokenizer with the tools template."""
+    return load_tokenizer(str(ASSETS / "tiny_chat"), chat_template=TEMPLATE.read_text())
+
+
+class TurnEngine:
+    """Turn k's reply is ``turns[k]`` (token ids) for every live episode."""
+
+    def __init__(self, turns: list[list[int]]) -> None:
+        self.turns, self.calls = turns, 0
+
+    def generate(self, prompt_token_ids, params):
+        ids = self.turns[self.calls]
+        self.calls += 1
+        return [Completion(list(ids), [-0.5] * len(ids), "stop", i) for i in range(len(prompt_token_ids))]
+
+    def sleep(self):
+        pass
+
+    def wake(self):
+        pass
+
+    def sync_weights(self, model):
+        pass
+
+
+def call(name: str, **arguments) -> str:
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
+def play(tok, factory, replies: list[str], system_prompt: str | None = None):
+    """One episode of row 0 with scripted replies; returns (trajectory, formatter)."""
+    formatter = ChatFormatter(tok, system_prompt, tools=env_tools(factory))
+    check_template(formatter, multi_turn=True)  # what run.py does for multi-turn runs with tools
+    engine = TurnEngine([tok(r, add_special_tokens=False).input_ids + [tok.eos_token_id] for r in replies])
+    harness = RolloutHarness(factory, tok, formatter, max_turns=len(replies) + 1, max_model_len=4096)
+    result = harness.rollout(engine, [0], SamplingParams(max_new_tokens=512))
+    return result.trajectories[0]
+
+
+def rerender(tok, traj, schemas, system_prompt: str | None = None) -> list[int]:
+    """The whole conversation rendered at once by the template, then tokenized."""
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": traj.observation})
+    for k, reply in enumerate(traj.replies):
+        messages.append({"role": "assistant", "content": reply})
+        if k < len(traj.observations):
+            messages += traj.observations[k]
+    text = tok.apply_chat_template(messages, tools=schemas, tokenize=False)
+    return tok(text, add_special_tokens=False).input_ids
+
+
+# -- the template ----------------------------------------------------------------------------
+
+
+PLAIN = [
+    [{"role": "user", "content": "What is 2 + 3?"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Guess a number."},
+        {"role": "assistant", "content": "10"},
+        {"role": "user", "content": "higher"},
+        {"role": "assistant", "content": "15"},
+    ],
+]
+
+
+@pytest.mark.parametrize("messages", PLAIN)
+@pytest.mark.parametrize("generation_prompt", [False, True])
+def test_template_renders_plain_chats_like_tiny_chat(tok, messages, generation_prompt):
+    tiny = (ASSETS / "tiny_chat" / "chat_template.jinja").read_text()
+    expected = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    expected += "<|im_start|>assistant\n" if generation_prompt else ""
+    for template in (tiny, TEMPLATE.read_text()):
+        text = tok.apply_chat_template(
+            messages, chat_template=template, add_generation_prompt=generation_prompt, tokenize=False
+        )
+        assert text == expected
+
+
+def test_template_lists_tools_in_the_system_turn(tok):
+    schemas = [get_json_schema(add)]
+    for system, prefix in ((None, ""), ("Be brief.", "Be brief.\n\n")):
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": "Q"}
+        ]
+        text = tok.apply_chat_template(messages, tools=schemas, tokenize=False, add_generation_prompt=True)
+        head = f"<|im_start|>system\n{prefix}You can call these functions; their JSON schemas:\n<tools>\n"
+        assert text.startswith(head + json.dumps(schemas[0]) + "\n</tools>\n")
+        assert text.count("<|im_start|>system") == 1
+        assert text.endswith("<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_template_renders_tool_calls_as_hermes_text(tok):
+    messages = [
+        {"role": "user", "content": "Q"},
+        {
+            "role": "assistant",
+            "content": "Checking.",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}},
+                {"type": "function", "function": {"name": "lookup", "arguments": '{"key": "fig"}'}},
+            ],
+        },
+        {"role": "tool", "name": "add", "content": "3"},
+        {"role": "tool", "name": "lookup", "content": "5"},
+    ]
+    text = tok.apply_chat_template(messages, tools=[get_json_schema(add)], tokenize=False)
+    turn = (
+        '<|im_start|>assistant\nChecking.\n<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>\n'
+        '<tool_call>{"name": "lookup", "arguments": {"key": "fig"}}</tool_call><|im_end|>\n'
+        "<|im_start|>user\n<tool_response>\n3\n</tool_response><|im_end|>\n"
+        "<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n"
+    )
+    assert text.endswith(turn)
+    assistant = text[text.index("<|im_start|>assistant\n") :]
+    assert parse_hermes(assistant).calls == [
+        ToolCall("add", {"a": 1, "b": 2}),
+        ToolCall("lookup", {"key": "fig"}),
+    ]
+
+
+def test_template_is_prefix_stable_with_tools(tok):
+    formatter = ChatFormatter(tok, "Be brief.", tools=[get_json_schema(add)])
+    two_tools = [{"role": "tool", "content": "3"}, {"role": "tool", "content": "4"}]
+    formatter.check_prefix_stable(
+        [[{"role": "tool", "content": "r"}], two_tools, [{"role": "user", "content": "u"}]]
+    )
+
+
+# -- round trips through the harness ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("system_prompt", [None, "Use the tools."])
+def test_two_calls_then_answer_is_token_exact(tok, system_prompt):
+    env = AddLookupToolEnv()
+    question, info = env.reset(row_index=0)
+    key, n = info["key"], info["n"]
+    first = f"{call('lookup', key=key)}\n{call('add', a=TABLE[key], b=n)}"
+    answer = str(TABLE[key] + n)
+    traj = play(tok, AddLookupToolEnv, [first, answer], system_prompt)
+
+    assert parse_hermes(traj.replies[0]).calls == [
+        ToolCall("lookup", {"key": key}),
+        ToolCall("add", {"a": TABLE[key], "b": n}),
+    ]
+    assert traj.replies == [first, answer] and traj.observation == question
+    assert traj.observations == [
+        [
+            {"role": "tool", "name": "lookup", "content": str(TABLE[key])},
+            {"role": "tool", "name": "add", "content": str(TABLE[key] + n)},
+        ]
+    ]
+    assert traj.rewards == [0.0, 1.0] and traj.infos[-1]["correct"] is True and not traj.truncated
+    schemas = [get_json_schema(add), get_json_schema(lookup)]
+    full = rerender(tok, traj, schemas, system_prompt)
+    newline = tok("\n", add_special_tokens=False).input_ids
+    # The whole conversation rendered at once is the trajectory plus the newline that closes the
+    # last turn (never generated): token for token, boundaries included.
+    assert full == traj.token_ids + newline
+    eos = tok.eos_token_id
+    end_of_call_turn = traj.token_ids.index(eos, traj.prompt_len)
+    im_start = tok.convert_tokens_to_ids("<|im_start|>")
+    after = end_of_call_turn + 1
+    assert traj.token_ids[after : after + len(newline) + 1] == [*newline, im_start]
+    # Only the replies are actions.
+    generated = [t for t, k in zip(traj.token_ids, traj.action_turn) if k >= 0]
+    assert generated == [
+        t for r in (first, answer) for t in tok(r, add_special_tokens=False).input_ids + [eos]
+    ]
+
+
+def failing_env(**kwargs) -> ToolEnv:
+    return AddLookupToolEnv(tools=[add, lookup, boom, sleepy], tool_timeout_s=0.3, **kwargs)
+
+
+def test_errors_become_tool_messages_and_the_episode_goes_on(tok):
+    env = AddLookupToolEnv()
+    env.reset(row_index=0)
+    replies = [
+        '<tool_call>{"name": "add", "arguments": {"a": 1,</tool_call>'
+        + call("mul", a=2, b=3)
+        + call("boom", x=7)
+        + call("sleepy", seconds=5.0),
+        str(env.answer),
+    ]
+    start = time.monotonic()
+    traj = play(tok, failing_env, replies)
+    assert time.monotonic() - start < 3.0  # the sleeper was abandoned after 0.3 s
+    contents = [m["content"] for m in traj.observations[0]]
+    assert contents[0].startswith("error: malformed tool call (invalid JSON (")
+    assert contents[0].endswith('): {"name": "add", "arguments": {"a": 1,')
+    assert contents[1:] == [
+        "error: unknown tool 'mul'; the tools are: add, lookup, boom, sleepy",
+        "error: boom raised RuntimeError: boom 7",
+        f"error: sleepy did not return within 0.3 s\n{LIMIT_NOTE}",  # 4 calls: the default limit
+    ]
+    assert [m["name"] for m in traj.observations[0]] == ["", "mul", "boom", "sleepy"]
+    assert traj.rewards == [0.0, 1.0] and traj.infos[-1]["correct"] is True
+    assert traj.infos[0] == {"tool_calls": 4, "tool_errors": 4, "answered": False, "correct": False}
+    schemas = [get_json_schema(f) for f in (add, lookup, boom, sleepy)]
+    assert rerender(tok, traj, schemas) == traj.token_ids + tok("\n", add_special_tokens=False).input_ids
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"a": 1}, "missing 'b'"),
+        ({"a": 1, "b": 2, "c": 3}, "'c' is not an argument"),
+        ({"a": "1", "b": 2}, "'a' must be integer, got string \"1\""),
+        ({"a": True, "b": 2.5}, "'a' must be integer, got boolean true; 'b' must be integer, got number 2.5"),
+        ({"b": None}, "missing 'a'; 'b' must be integer, got null null"),
+    ],
+)
+def test_arguments_are_checked_against_the_schema(arguments, message):
+    env = AddLookupToolEnv()
+    env.reset(row_index=0)
+    obs, reward, terminated, truncated, info = env.step(call("add", **arguments))
+    assert obs == [{"role": "tool", "name": "add", "content": f"error: invalid arguments for add: {message}"}]
+    assert (reward, terminated, truncated) == (0.0, False, False) and info["tool_errors"] == 1
+
+
+def test_nested_schema_types_are_checked():
+    def pick(items: list[int], pair: tuple[int, str], table: dict[str, int], mode: str | None = None) -> str:
+        """Picks.
+
+        Args:
+            items: numbers
+            pair: a number and a name
+            table: counts
+            mode: how (choices: ["a", "b"])
+        """
+        return "ok"
+
+    env = AddLookupToolEnv(tools=[pick])
+    env.reset(row_index=0)
+    cases = {
+        call("pick", items=[1, 2], pair=[1, "x"], table={"k": 1}): "ok",
+        call("pick", items=[1, "2"], pair=[1, "x"], table={}): "'items'[1] must be integer, got string \"2\"",
+        call("pick", items=[], pair=[1], table={}): "'pair' must have 2 items, got 1",
+        call(
+            "pick", items=[], pair=[1, "x"], table={"k": 1.5}
+        ): "'table'['k'] must be integer, got number 1.5",
+        call(
+            "pick", items=[], pair=[1, "x"], table={}, mode="c"
+        ): '\'mode\' must be one of ["a", "b"], got "c"',
+        call("pick", items=[], pair=[1, "x"], table={}, mode=None): "ok",
+    }
+    for reply, expected in cases.items():
+        env.calls = 0
+        content = env.step(reply)[0][0]["content"]
+        assert content == (expected if expected == "ok" else f"error: invalid arguments for pick: {expected}")
+
+
+def test_call_limit_then_unanswered(tok):
+    env = AddLookupToolEnv(max_tool_calls=2)
+    env.reset(row_index=0)
+    obs, *_ = env.step(call("add", a=1, b=2) + call("add", a=3, b=4) + call("add", a=5, b=6))
+    assert [m["content"] for m in obs] == [
+        "3",
+        "7",
+        "error: not run: the limit of 2 tool calls per episode is reached; reply with your final answer",
+    ]
+    assert env.step(call("add", a=1, b=1)) == (
+        "",
+        0.0,
+        True,
+        False,
+        {"tool_calls": 0, "tool_errors": 0, "answered": False, "correct": False},
+    )
+    # Reaching the limit exactly: the last result carries the note; the next reply may answer.
+    env.reset(row_index=0)
+    obs, *_ = env.step(call("add", a=1, b=2) + call("add", a=3, b=4))
+    assert [m["content"] for m in obs] == ["3", f"7\n{LIMIT_NOTE}"]
+    _, reward, terminated, _, info = env.step(str(env.answer))
+    assert (reward, terminated, info["correct"]) == (1.0, True, True)
+    # Through the harness: a third reply with a call ends the episode, with no further turn.
+    traj = play(
+        tok, lambda: AddLookupToolEnv(max_tool_calls=1), [call("add", a=1, b=2), call("add", a=1, b=2)]
+    )
+    assert traj.num_turns == 2 and traj.rewards == [0.0, 0.0] and not traj.truncated
+    assert traj.infos[-1]["answered"] is False and traj.infos[-1]["correct"] is False
+
+
+def test_shaping_rewards_valid_and_invalid_calls():
+    env = AddLookupToolEnv(tools=[add, boom], call_reward=0.1, error_penalty=0.5)
+    env.reset(row_index=0)
+    reply = call("add", a=1, b=2) + call("boom", x=1) + call("nope") + "<tool_call>{</tool_call>"
+    _, reward, *_ = env.step(reply)
+    assert reward == pytest.approx(2 * 0.1 - 2 * 0.5, abs=1e-12)  # boom ran (and raised): valid
+    _, reward, terminated, _, _ = env.step("no idea")
+    assert (reward, terminated) == (0.0, True)
+
+
+def test_results_are_json_and_cut():
+    def table(n: int) -> dict:
+        """A table.
+
+        Args:
+            n: its size
+        """
+        return {"rows": list(range(n))}
+
+    env = AddLookupToolEnv(tools=[table], max_result_chars=20)
+    env.reset(row_index=0)
+    assert env.step(call("table", n=2))[0][0]["content"] == '{"rows": [0, 1]}'
+    env.calls = 0
+    content = env.step(call("table", n=50))[0][0]["content"]
+    assert content == json.dumps({"rows": list(range(50))})[:20] + "... [cut to 20 characters]"
+
+
+# -- construction -------------------------------------------------------------------------------
+
+
+def no_doc(a: int) -> int:
+    return a
+
+
+def no_hints(a):
+    """Returns a.
+
+    Args:
+        a: a value
+    """
+    return a
+
+
+def test_tools_need_docstrings_and_type_hints():
+    with pytest.raises(
+        ConfigError, match=r"env\.kwargs\.tools=.*no_doc.*get_json_schema said: .*no docstring"
+    ):
+        AddLookupToolEnv(tools=[no_doc])
+    with pytest.raises(ConfigError, match=r"env\.kwargs\.tools=.*no_hints.*missing a type hint"):
+        AddLookupToolEnv(tools=[no_hints])
+    with pytest.raises(ConfigError, match=r"env\.kwargs\.tools='my_pkg\.nope'.*importable"):
+        AddLookupToolEnv(tools=["my_pkg.nope"])
+    with pytest.raises(ConfigError, match="distinct names"):
+        AddLookupToolEnv(tools=[add, "rlhf_lightning.envs.tool_tasks.add"])
+    with pytest.raises(
+        ConfigError, match=r"env\.kwargs\.parser='qwen'.*hermes, llama3_json, mistral, pythonic"
+    ):
+        AddLookupToolEnv(parser="qwen")
+    env = AddLookupToolEnv(tools=["rlhf_lightning.envs.tool_tasks.add", lookup])
+    assert env.tool_schemas() == [get_json_schema(add), get_json_schema(lookup)]
+
+
+def test_other_parsers_drive_the_env():
+    env = AddLookupToolEnv(parser="pythonic")
+    env.reset(row_index=0)
+    obs, *_ = env.step('[add(a=2, b=3), lookup(key="fig")]')
+    assert obs == [
+        {"role": "tool", "name": "add", "content": "5"},
+        {"role": "tool", "name": "lookup", "content": str(TABLE["fig"])},
+    ]
+    env = AddLookupToolEnv(parser="llama3_json")
+    env.reset(row_index=0)
+    assert env.step('{"name": "add", "parameters": {"a": 2, "b": 3}}')[0][0]["content"] == "5"
+
+
+# -- the calculator task ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("expression", "value"),
+    [
+        ("(12 + 3) * 4", "60"),
+        ("2 + 3 * 4 - 6 / 3", "12"),
+        ("7 / 2", "3.5"),
+        ("1 / 3", "0.333333333333"),
+        ("2 - -3", "5"),
+        ("-(4) * 2", "-8"),
+        ("10 / 4 * 2", "5"),
+        ("8 / 2 / 2", "2"),
+        ("(" * 3000 + "1" + ")" * 3000, "1"),
+    ],
+)
+def test_calculator_values(expression, value):
+    assert calculator(expression) == value
+
+
+@pytest.mark.parametrize(
+    ("expression", "error"),
+    [
+        ("1 / 0", "division by zero"),
+        ("2 ** 3", "unexpected '*'"),
+        ("__import__('os')", "unexpected '_'"),
+        ("1.5 + 1", "unexpected '.'"),
+        ("(1 + 2", "unbalanced '('"),
+        ("1 + 2)", "unbalanced ')'"),
+        ("1 +", "incomplete expression"),
+        ("1" * 10, "numbers must be below 10**9"),
+        ("1+" * 6000 + "1", "expression longer than 10000 characters"),
+    ],
+)
+def test_calculator_refuses(expression, error):
+    with pytest.raises(ValueError, match=f"^{re.escape(error)}$"):
+        calculator(expression)
+
+
+def test_calculator_env_uses_tool_calc_rows_and_scores_answers():
+    env = CalculatorToolEnv(seed=3)
+    for row, evaluation in ((0, False), (5, False), (1, True)):
+        prompt, _ = env.reset(row_index=row, evaluation=evaluation)
+        old = ToolCalcEnv(seed=3)
+        old_prompt, _ = old.reset(row_index=row, evaluation=evaluation)
+        expr = old_prompt.removeprefix("What is ").split("?")[0]
+        a, times, b, op, c = expr.split(" ")  # "a * b + c" or "a * b - c"
+        assert times == "*" and op in "+-"
+        expected = int(a) * int(b) + (int(c) if op == "+" else -int(c))
+        assert prompt.startswith(f"What is {expr}?") and env.answer == expected == old.answer
+        obs, *_ = env.step(call("calculator", expression=expr))
+        assert obs == [{"role": "tool", "name": "calculator", "content": str(expected)}]
+        assert env.step(f"The answer is {expected}.")[1:3] == (1.0, True)
+        env.reset(row_index=row, evaluation=evaluation)
+        assert env.step(str(expected + 1))[1] == 0.0
+    obs, *_ = env.step(call("calculator", expression="1/0"))
+    assert obs[0]["content"] == "error: calculator raised CalcError: division by zero"
+    assert [s["function"]["name"] for s in env.tool_schemas()] == ["calculator"]
+    assert env.num_rows(False) == 100_000 and env.num_rows(True) == 200
+
+
+# -- env=tools ------------------------------------------------------------------------------------
+
+
+def test_env_tools_composes_and_validates(fast_cfg):
+    from omegaconf import OmegaConf
+
+    from rlhf_lightning.envs.factory import env_factory
+    from rlhf_lightning.validation import validate
+
+    cfg = fast_cfg("env=tools", "model=tiny_chat", "rollout.tool_parser=pythonic")
+    validate(cfg)
+    e = cfg.env
+    assert (e.max_turns, e.concurrency, e.step_timeout_s) == (4, 8, 30.0)
+    kwargs = OmegaConf.to_container(e.kwargs, resolve=True)
+    assert kwargs["parser"] == "pythonic"
+    env = env_factory(e._target_, kwargs)()
+    assert isinstance(env, CalculatorToolEnv) and env.tool_schemas() == [get_json_schema(calculator)]
+    path = compose_path(fast_cfg)
+    assert Path(path) == TEMPLATE and TEMPLATE.is_file()
+
+
+def compose_path(fast_cfg) -> str:
+    """model.chat_template as the yaml's comment tells users to set it."""
+    return fast_cfg(
+        "env=tools", "model=tiny_chat", "model.chat_template=${asset:chat_templates/tools.jinja}"
+    ).model.chat_template
+
+
+class CalculatorPlayer:
+    """Plays env=tools for the tiny chat model (which never calls a tool): turn 1 calls the
+    calculator on the question's expression, turn 2 answers with its result (every other
+    episode off by one, so the rewards of a group differ and the step has a gradient)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tok, self.turn_calls = tokenizer, 0
+
+    def generate(self, prompt_token_ids, params):
+        out = []
+        for i, ids in enumerate(prompt_token_ids):
+            text = self.tok.decode(ids)
+            results = re.findall(r"<tool_response>\n(-?\d+)\n", text)
+            if not results:
+                reply = call("calculator", expression=re.findall(r"What is (.+?)\?", text)[-1])
+            else:
+                reply = str(int(results[-1]) + i % 2)
+            reply_ids = self.tok(reply, add_special_tokens=False).input_ids + [self.tok.eos_token_id]
+            out.append(Completion(reply_ids, [-1.0] * len(reply_ids), "stop", i))
+        self.turn_calls += 1
+        return out
+
+    def sleep(self):
+        pass
+
+    def wake(self):
+        pass
+
+    def sync_weights(self, model):
+        pass
+
+
+@pytest.mark.slow
+def test_env_tools_trains_two_steps_on_tiny_chat(fast_cfg, tmp_path):
+    import lightning as L
+    import torch
+
+    from tests.conftest import fit_steps
+
+    class Metrics(L.Callback):
+        def __init__(self) -> None:
+            self.steps: list[dict[str, float]] = []
+
+        def on_train_batch_end(self, trainer, *args):
+            self.steps.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+    cfg = fast_cfg("env=tools", "model=tiny_chat", "rollout.max_new_tokens=96", "algo.group_size=2")
+    # load_tokenizer takes a template string; a .jinja path needs the change to models/build.py
+    # described in the report, so the test sets the template's text.
+    cfg.model.chat_template = TEMPLATE.read_text()
+    before: dict[str, torch.Tensor] = {}
+
+    def hook(module):
+        module.engine = CalculatorPlayer(module.harness.tokenizer)
+        before.update({n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad})
+
+    metrics = Metrics()
+    module, trainer = fit_steps(cfg, tmp_path, steps=2, callbacks=[metrics], module_hook=hook)
+    assert trainer.global_step == 2
+    assert module.harness.formatter.tools == [get_json_schema(calculator)]
+    for step in metrics.steps:
+        assert step["rollout/num_turns"] == 2.0 and step["env/reward_errors"] == 0.0
+        assert step["env/tool_calls"] == 0.5  # one call in the first of two turns
+        assert step["env/correct"] == 0.25 and step["rollout/reward_mean"] == 0.5
+    moved = [n for n, p in module.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+    assert moved, "no trainable parameter changed"
