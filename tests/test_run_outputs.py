@@ -128,7 +128,7 @@ def test_progress_line_format():
     assert line.startswith("step 300/900 (33%) | reward 0.412 | 30s elapsed | ETA 1m 00s"), line
     assert format_duration(7530) == "2h 05m" and format_duration(59.4) == "59s"
     assert auto_every(900) == 45 and auto_every(10) == 1 and auto_every(100000) == 100
-    with pytest.raises(ValueError, match="progress.every_n_steps"):
+    with pytest.raises(ValueError, match=r"progress\.every_n_steps"):
         ProgressLog(0)
 
 

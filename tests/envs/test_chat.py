@@ -53,7 +53,9 @@ def test_a_template_that_ignores_tools_is_refused(tiny_tokenizer):
     from rlhf_lightning.validation import ConfigError
 
     tools = [{"type": "function", "function": {"name": "calculator", "parameters": {}}}]
-    with pytest.raises(ConfigError, match=r"model.chat_template=.*renders tools= \(the prompt lacks calculator\)"):
+    with pytest.raises(
+        ConfigError, match=r"model.chat_template=.*renders tools= \(the prompt lacks calculator\)"
+    ):
         check_template(ChatFormatter(tiny_tokenizer, tools=tools), multi_turn=False)
 
 

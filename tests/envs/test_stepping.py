@@ -99,7 +99,7 @@ def test_stepper_arguments_and_plain_calls():
     assert call_with_timeout(lambda: 3, None).output == 3
     assert isinstance(call_with_timeout(lambda: time.sleep(1), 0.05).error, StepTimeout)
     assert isinstance(call_with_timeout(lambda: 1 / 0, 1.0).error, ZeroDivisionError)
-    with pytest.raises(ValueError, match="env.concurrency must be at least 1"):
+    with pytest.raises(ValueError, match=r"env\.concurrency must be at least 1"):
         EnvStepper(0)
-    with pytest.raises(ValueError, match="env.step_timeout_s must be > 0"):
+    with pytest.raises(ValueError, match=r"env\.step_timeout_s must be > 0"):
         EnvStepper(2, 0.0)
