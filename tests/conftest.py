@@ -94,6 +94,38 @@ def fit_steps(cfg: DictConfig, tmp_path: Path, steps: int = 1, callbacks=(), mod
     return module, trainer
 
 
+def fit_recording(cfg: DictConfig, tmp_path: Path, steps: int):
+    """:func:`fit_steps`, keeping each step's rollout result (``module.collect``'s) and wall time.
+
+    Returns (module, trainer, results, step seconds)."""
+    import time
+
+    import lightning as L
+
+    seen: list = []
+    times: list[float] = []
+
+    class Timer(L.Callback):
+        def on_train_batch_start(self, *args) -> None:
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, *args) -> None:
+            times.append(time.perf_counter() - self.start)
+
+    def hook(module) -> None:
+        original = module.collect
+
+        def spy(rows):
+            out = original(rows)
+            seen.append(out[0])
+            return out
+
+        module.collect = spy
+
+    module, trainer = fit_steps(cfg, tmp_path, steps=steps, callbacks=[Timer()], module_hook=hook)
+    return module, trainer, seen, times
+
+
 def pytest_collection_modifyitems(config, items):
     """``@pytest.mark.gpu`` tests are skipped, with the reason shown, where CUDA is absent."""
     if torch.cuda.is_available():

@@ -6,7 +6,6 @@ import logging
 import random
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -25,7 +24,7 @@ from rlhf_lightning.envs.gem import GemEnv, gem_seed
 from rlhf_lightning.envs.harness import ChatFormatter, RolloutHarness
 from rlhf_lightning.rollout.engine import Completion, SamplingParams
 from rlhf_lightning.validation import ConfigError
-from tests.conftest import fit_steps
+from tests.conftest import fit_recording
 
 SUDOKU, GUESS, MINES, G2048 = (
     "game:Sudoku-v0-easy",
@@ -267,35 +266,10 @@ def test_ids_that_need_the_network_are_refused_with_the_reason(monkeypatch):
 def test_three_training_steps_with_tiny_chat_replay_through_gem(fast_cfg, tmp_path, env_id):
     """env=gem through the real config: 3 GRPO steps of tiny_chat; every reply it generated,
     replayed through GEM directly, gets the reward we trained on."""
-    import lightning as L
-
-    class Timer(L.Callback):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-
-        def on_train_batch_start(self, *args):
-            self.start = time.perf_counter()
-
-        def on_train_batch_end(self, *args):
-            self.times.append(time.perf_counter() - self.start)
-
     cfg = fast_cfg("env=gem", f"env.kwargs.id={env_id}", "model=tiny_chat", "trainer.max_steps=3")
-    seen = []
-
-    def hook(module):
-        original = module.collect
-
-        def spy(rows):
-            out = original(rows)
-            seen.append(out[0])
-            return out
-
-        module.collect = spy
-
-    timer = Timer()
-    fit_steps(cfg, tmp_path, steps=3, callbacks=[timer], module_hook=hook)
-    assert len(seen) == 3 and len(timer.times) == 3
+    _, _, seen, times = fit_recording(cfg, tmp_path, steps=3)
+    assert len(seen) == 3 and len(times) == 3
     for result in seen:
         assert len(result.trajectories) == 16
         assert_replays(env_id, result.trajectories)
-    print(f"{env_id}: step times {[round(t, 2) for t in timer.times]} s")
+    print(f"{env_id}: step times {[round(t, 2) for t in times]} s")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -20,7 +19,7 @@ from rlhf_lightning.envs.base import TextEnv
 from rlhf_lightning.envs.factory import env_factory
 from rlhf_lightning.envs.reasoning_gym import ReasoningGymEnv
 from rlhf_lightning.validation import ConfigError
-from tests.conftest import fit_steps
+from tests.conftest import fit_recording
 
 TARGET = "rlhf_lightning.envs.reasoning_gym.ReasoningGymEnv"
 
@@ -178,33 +177,8 @@ def test_start_up_errors_name_the_field_and_the_fix(monkeypatch):
 def test_three_training_steps_with_tiny_chat_replay_through_reasoning_gym(fast_cfg, tmp_path, overrides):
     """env=reasoning_gym through the real config: 3 GRPO steps of tiny_chat; each reply it
     generated, scored by reasoning-gym directly on the same item, gets the reward we trained on."""
-    import lightning as L
-
-    class Timer(L.Callback):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-
-        def on_train_batch_start(self, *args):
-            self.start = time.perf_counter()
-
-        def on_train_batch_end(self, *args):
-            self.times.append(time.perf_counter() - self.start)
-
     cfg = fast_cfg("env=reasoning_gym", "model=tiny_chat", "trainer.max_steps=3", *overrides)
-    seen = []
-
-    def hook(module):
-        original = module.collect
-
-        def spy(rows):
-            out = original(rows)
-            seen.append(out[0])
-            return out
-
-        module.collect = spy
-
-    timer = Timer()
-    fit_steps(cfg, tmp_path, steps=3, callbacks=[timer], module_hook=hook)
+    _, _, seen, times = fit_recording(cfg, tmp_path, steps=3)
     kw = cfg.env.kwargs
     size = kw.train_size + kw.eval_size
     if kw.tasks is None:
@@ -214,11 +188,11 @@ def test_three_training_steps_with_tiny_chat_replay_through_reasoning_gym(fast_c
 
         specs = [DatasetSpec(name, float(w), {}) for name, w in kw.tasks.items()]
         ds = rg.create_dataset("composite", size=size, seed=kw.seed, datasets=specs)
-    assert len(seen) == 3 and len(timer.times) == 3
+    assert len(seen) == 3 and len(times) == 3
     for result in seen:
         assert len(result.trajectories) == 16
         for t in result.trajectories:
             entry = ds[t.task_info["index"]]
             assert t.task_info["question"] == entry["question"] and t.num_turns == 1
             assert t.rewards == [ds.score_answer(extract_answer(t.replies[0]), entry)]
-    print(f"{'/'.join(overrides)}: step times {[round(x, 2) for x in timer.times]} s")
+    print(f"{'/'.join(overrides)}: step times {[round(x, 2) for x in times]} s")
