@@ -14,12 +14,11 @@ from typing import Any, cast
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rlhf_lightning.algorithms.spec import get_algorithm
 from rlhf_lightning.callbacks import AdapterExport, SameConfigOnAllRanks, SampleTable, config_digest
-from rlhf_lightning.callbacks.checkpoints import AtomicCheckpointIO, BestCheckpoint, KeepLast
+from rlhf_lightning.callbacks.checkpoints import AtomicCheckpointIO, BestCheckpoint, KeepLast, StepCheckpoint
 from rlhf_lightning.callbacks.guard import Guard
 from rlhf_lightning.callbacks.objective import CheckOptimizedMetric, optimized_value
 from rlhf_lightning.callbacks.progress import ProgressLog, StepProgressBar, auto_every
@@ -390,7 +389,7 @@ def _fit(
     ckpt_dir = output_dir / "checkpoints"
     every = cfg.checkpoint.every_n_steps or None
     callbacks: list[L.Callback] = [
-        ModelCheckpoint(
+        StepCheckpoint(
             dirpath=ckpt_dir,
             filename="step_{step:06d}",
             every_n_train_steps=every,

@@ -175,7 +175,7 @@ def test_checkpoints_and_adapters_are_bounded(tmp_path):
     ckpts = sorted(p.name for p in (run / "checkpoints").glob("*.ckpt"))
     assert ckpts == ["best.ckpt", "last.ckpt", "step_000004.ckpt", "step_000005.ckpt"]
     adapters = sorted(p.name for p in (run / "checkpoints" / "adapters").iterdir())
-    assert adapters == ["last", "step_000004", "step_000005"]
+    assert adapters == ["best", "last", "step_000004", "step_000005"]  # best: best.ckpt's adapters
 
 
 def test_a_collapsing_run_is_stopped_by_the_guard_within_20_steps(tmp_path):

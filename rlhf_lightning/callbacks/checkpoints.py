@@ -14,6 +14,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from rlhf_lightning.callbacks.adapters import export_adapters
 
@@ -48,6 +49,17 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+class StepCheckpoint(ModelCheckpoint):
+    """Lightning's ModelCheckpoint for ``step_<N>.ckpt`` (and ``last.ckpt`` beside each), without
+    its save of ``last.ckpt`` at the end of training: the run writes that one itself, from the
+    state the next step starts from (``run.py`` at a normal end, the signal and guard stops at
+    theirs). Saved after the fit loop has wound up, it would overwrite a stop's checkpoint with a
+    state that does not resume exactly."""
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        return
 
 
 STEP_FILE = re.compile(r"step_(\d+)\.ckpt$")
