@@ -10,6 +10,10 @@ critic's explained variance (mean over the last 50 training steps). ``--plot`` a
 accuracy against training steps for every run into one PNG.
 
     .venv/bin/python bench/learning.py --algos grpo ppo --args experiment=tool_calc --plot tool_calc.png
+
+``--metrics KEY ...`` adds a column per logged metric with its first and last value (e.g.
+``eval/env_valid_move_sampled`` from ``eval.info_metrics=[valid_move]``; a training metric such as
+``env/valid_move`` shows the mean of its first and last 50 steps).
 """
 
 from __future__ import annotations
@@ -37,6 +41,16 @@ def window_mean(metrics: Metrics, key: str, n: int = 50, first: bool = False) ->
     values = [v for _, v in metrics.get(key, [])]
     window = values[:n] if first else values[-n:]
     return sum(window) / len(window) if window else None
+
+
+def first_last(metrics: Metrics, key: str) -> str:
+    """``first / last`` of an eval metric, or of a training metric's first and last 50 steps."""
+    values = [v for _, v in metrics.get(key, [])]
+    if not values:
+        return "-"
+    if key.startswith("eval/"):
+        return f"{values[0]:.3f} / {values[-1]:.3f}"
+    return f"{window_mean(metrics, key, first=True):.3f} / {window_mean(metrics, key):.3f}"
 
 
 def plot(curves: dict[str, list[dict[str, float]]], path: Path, title: str) -> None:
@@ -68,12 +82,13 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench_learning")
     ap.add_argument("--plot", type=Path, default=None, help="write eval-vs-steps curves to this PNG")
     ap.add_argument("--title", default="held-out success during training")
+    ap.add_argument("--metrics", nargs="*", default=[], help="logged metrics to show first / last")
     a = ap.parse_args()
     print(
         "| algo | seed | sampled before | sampled after | gain | greedy before | greedy after | wall s "
-        "| turns first / last | critic EV |"
+        "| turns first / last | critic EV |" + "".join(f" {k} first / last |" for k in a.metrics)
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(a.metrics))
     curves: dict[str, list[dict[str, float]]] = {}
     for algo in a.algos:
         for seed in a.seeds:
@@ -106,7 +121,8 @@ def main() -> None:
                 f"| {algo} | {seed} | {first['sampled']:.3f} | {last['sampled']:.3f} | {last['sampled'] - first['sampled']:+.3f} "
                 f"| {first['greedy']:.3f} | {last['greedy']:.3f} | {wall:.0f} "
                 f"| {turns[0] or 0:.2f} / {turns[1] or 0:.2f} "
-                f"| {'-' if ev_critic is None else f'{ev_critic:.3f}'} |",
+                f"| {'-' if ev_critic is None else f'{ev_critic:.3f}'} |"
+                + "".join(f" {first_last(metrics, k)} |" for k in a.metrics),
                 flush=True,
             )
     if a.plot is not None:

@@ -313,6 +313,9 @@ class EvalConfig:
     sampled: bool = True  # samples at the training temperature
     num_samples: int = 1  # sampled completions per problem; > 1 also logs eval/pass@k for k <= num_samples
     batch_size: int = 200  # prompts per validation batch and rank
+    # numeric info keys whose per-turn mean over the eval episodes is logged as
+    # eval/env_<key>_<greedy|sampled> (e.g. [valid_move] for env=gem)
+    info_metrics: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -279,7 +279,7 @@ def build(cfg: DictConfig, output_dir: Path) -> tuple[L.LightningModule, L.Light
         "eval_num_samples": cfg.eval.num_samples,
     }
     if spec.data == "online":
-        module: L.LightningModule = spec.module_cls(
+        module = spec.module_cls(
             policy,
             harness,
             engine,
@@ -289,11 +289,13 @@ def build(cfg: DictConfig, output_dir: Path) -> tuple[L.LightningModule, L.Light
             num_samples_to_keep=cfg.samples.num,
             num_train_rows=train_rows,
         )
+        module.eval_info_metrics = tuple(cfg.eval.info_metrics)
         dm: L.LightningDataModule = PromptDataModule(
             train_rows, eval_rows, a.prompts_per_step, cfg.eval.batch_size, seed=cfg.seed
         )
         return module, dm
     module = spec.module_cls(policy, hp, harness, engine, sampling, **evals)
+    module.eval_info_metrics = tuple(cfg.eval.info_metrics)
     keys = {k: a.get(f"{k}_key", k) for k in ("messages", "prompt", "completion", "chosen", "rejected")}
     dm = OfflineDataModule(
         spec.offline_kind or "sft",

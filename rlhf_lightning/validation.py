@@ -442,6 +442,12 @@ def validate(cfg: DictConfig) -> None:
         "maximize or minimize",
     )
     check(cfg.eval.batch_size > 0, "eval.batch_size", cfg.eval.batch_size, "> 0")
+    check(
+        all(isinstance(k, str) and k for k in cfg.eval.info_metrics),
+        "eval.info_metrics",
+        list(cfg.eval.info_metrics),
+        "a list of info keys, e.g. [valid_move]",
+    )
     check(cfg.checkpoint.every_n_steps >= 0, "checkpoint.every_n_steps", cfg.checkpoint.every_n_steps, ">= 0")
     if cfg.ckpt_path is not None:
         check_checkpoint("ckpt_path", cfg.ckpt_path)

@@ -17,7 +17,7 @@ import torch
 from rlhf_lightning.algorithms import rng
 from rlhf_lightning.algorithms.common import ModuleMixin
 from rlhf_lightning.data.prompts import PAD_ROW
-from rlhf_lightning.envs.harness import RolloutResult
+from rlhf_lightning.envs.harness import RolloutResult, reward_value
 from rlhf_lightning.models.sharding import gathered
 from rlhf_lightning.rollout.engine import SamplingParams
 
@@ -56,6 +56,14 @@ def episode_values(result: RolloutResult, n: int) -> dict[str, torch.Tensor]:
         for k in pass_ks(n):
             out[f"pass@{k}"] = torch.tensor([pass_at_k(n, c, k) for c in correct], dtype=torch.float64)
     return out
+
+
+def info_values(result: RolloutResult, key: str) -> torch.Tensor:
+    """Every turn's ``info[key]`` over ``result``'s episodes, where it is a finite number or a
+    bool (True counts 1). Shape: (n,)"""
+    found = (info[key] for t in result.trajectories for info in t.infos if key in info)
+    values = [float(v) if isinstance(v, bool) else reward_value(v) for v in found]
+    return torch.tensor([v for v in values if v is not None], dtype=torch.float64)
 
 
 def add_total(totals: dict[str, torch.Tensor], key: str, values: torch.Tensor, counted: bool = True) -> None:
@@ -98,6 +106,7 @@ class RolloutEvaluation(ModuleMixin):
     eval_greedy: bool
     eval_sampled: bool
     eval_num_samples: int = 1
+    eval_info_metrics: tuple[str, ...] = ()  # eval.info_metrics (set by run.py)
     last_eval_step: int
     _eval_outputs: dict[str, list[torch.Tensor]]  # per-example values of subclasses (each counted once)
     _eval_totals: dict[str, torch.Tensor] | None = None  # [sum, count] per metric, this rank
@@ -162,6 +171,8 @@ class RolloutEvaluation(ModuleMixin):
             for key, values in episode_values(result, n).items():
                 metric = f"eval/{key}" if key.startswith("pass@") else f"eval/{key}_{name}"
                 add_total(self._eval_totals, metric, values, counted=not padding)
+            for key in self.eval_info_metrics:  # keys from the config: the same on every rank
+                add_total(self._eval_totals, f"eval/env_{key}_{name}", info_values(result, key), not padding)
 
     def on_validation_epoch_end(self) -> None:
         totals = self._eval_totals if self._eval_totals is not None else {}

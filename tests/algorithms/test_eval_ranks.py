@@ -275,3 +275,27 @@ def test_three_process_eval_counts_every_row_once_and_matches_one_process(tmp_pa
     assert three["eval/pass@1"] == float(np.float32(sum(sum(v) / 2 for v in by_row.values()) / EVAL_ROWS))
     assert three["eval/pass@2"] == float(np.float32(sum(max(v) for v in by_row.values()) / EVAL_ROWS))
     assert per_rank[2][-1]["batch"] == [PAD_ROW]  # the short rank ran a padding batch (uncounted)
+
+
+def test_info_metrics_are_per_turn_means_of_the_eval_episodes():
+    """eval.info_metrics=[valid_move]: every turn's info value, summed and counted like the other
+    eval metrics (non-numbers left out), under the same padding rule."""
+
+    class WithMoves(_Evaluation):
+        def rollout(self, rows, params, *, group_size, evaluation=False):
+            result = super().rollout(rows, params, group_size=group_size, evaluation=evaluation)
+            for t in result.trajectories:  # two turns: one valid move, then a valid one when correct
+                t.infos = [{"valid_move": True}, {"valid_move": t.infos[0]["correct"], "note": "x"}]
+            return result
+
+    module, padding = WithMoves(), WithMoves()
+    module.eval_info_metrics = padding.eval_info_metrics = ("valid_move", "note")
+    for m, batch in ((module, [2, 5]), (padding, [PAD_ROW])):
+        m.on_validation_epoch_start()
+        m.validation_step(torch.tensor(batch), 0)
+    # greedy: rows 2 (correct) and 5 (not): turns 1, 1, 1, 0 -> 3 of 4; sampled: 4 episodes -> 6 of 8
+    assert module._eval_totals["eval/env_valid_move_greedy"].tolist() == [3.0, 4.0]
+    assert module._eval_totals["eval/env_valid_move_sampled"].tolist() == [6.0, 8.0]
+    assert module._eval_totals["eval/env_note_greedy"].tolist() == [0.0, 0.0]  # a string: not counted
+    assert sorted(padding._eval_totals) == sorted(module._eval_totals)
+    assert all(v.tolist() == [0.0, 0.0] for v in padding._eval_totals.values())
