@@ -23,7 +23,7 @@ import json
 import logging
 import random
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
@@ -223,6 +223,25 @@ def plain(value: Any) -> Any:
     return value.item() if isinstance(value, np.generic) else value
 
 
+def _filled_cells(game: Any) -> int:
+    return sum(v != 0 for row in game.board for v in row)
+
+
+# Games whose state tells whether GEM accepted a move: id prefix -> a count that grows exactly then.
+# Sudoku fills a cell only for a right digit (wrong digits, filled or out-of-bounds cells and
+# replies without a move leave the board as it was); GuessTheNumber records only in-range guesses
+# it has not seen (out-of-range and repeated guesses are refused).
+MOVE_COUNTERS: dict[str, Callable[[Any], int]] = {
+    "game:Sudoku": _filled_cells,
+    "game:GuessTheNumber": lambda game: len(game.previous_guesses),
+}
+
+
+def move_counter(env_id: str) -> Callable[[Any], int] | None:
+    """The counter of :data:`MOVE_COUNTERS` for ``env_id`` (None: the game has none)."""
+    return next((f for prefix, f in MOVE_COUNTERS.items() if env_id.startswith(prefix)), None)
+
+
 def is_solved(env_id: str, obs: str, reward: float, terminated: bool) -> bool:
     """GEM's own success signal: a game (``game:*``) is won when it ends with its
     "Congratulations!" message; a reasoning-gym task (``rg:*``) when ``score_answer`` gives full
@@ -242,7 +261,9 @@ class GemEnv:
     ends the episode; GEM truncates at the game's own turn limit, 15 there, so keep
     ``env.max_turns`` at least that). ``info``: GEM's (NumPy numbers as Python numbers; strings
     such as the suffix are not logged) plus ``solved`` (:func:`is_solved`) unless GEM reports
-    ``correct``/``success``/``solved`` itself. Reset info holds ``gem_seed``.
+    ``correct``/``success``/``solved`` itself, and for the games of :data:`MOVE_COUNTERS`
+    (Sudoku, GuessTheNumber) ``valid_move``: GEM accepted the move (its mean over a batch's turns
+    is ``env/valid_move``). Reset info holds ``gem_seed``.
 
     Seeds, not puzzles, are disjoint: a game with few distinct starts repeats them (with 100,000
     train seeds, 8 of game:Sudoku-v0-easy's 200 eval boards are also train boards;
@@ -310,10 +331,15 @@ class GemEnv:
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         if not self.started:
             raise RuntimeError("GemEnv.step called before reset")
+        counter = move_counter(self.id)
+        before = counter(self.env) if counter is not None else 0
         with self.rng.active():
             obs, reward, terminated, truncated, info = self.env.step(action)
         reward, terminated, truncated = float(reward), bool(terminated), bool(truncated)
         info = {k: plain(v) for k, v in dict(info or {}).items()}
         if self.id.startswith(("game:", "rg:")) and not any(k in info for k in SUCCESS_KEYS):
             info["solved"] = is_solved(self.id, str(obs), reward, terminated)
+        if counter is not None and "valid_move" not in info:
+            # env/valid_move: the share of a batch's turns whose move GEM accepted
+            info["valid_move"] = counter(self.env) > before
         return compose(str(obs), info), reward, terminated, truncated, info

@@ -1,0 +1,114 @@
+"""The GEM presets (experiment=gem_sudoku, gem_guess_number) on the embedded GEM chat model
+(model=tiny_gem): the model directory loads with the tokenizer it was trained with, the presets
+compose and validate whatever the algorithm, and a step plays GEM's game and moves the weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("gem", reason="env=gem needs the gem extra: pip install 'rlhf_lightning[gem]'")
+
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from rlhf_lightning.config import ASSETS
+from rlhf_lightning.validation import validate
+from tests.conftest import compose_config, fit_steps
+
+GEM_MODEL = ASSETS / "tiny_gem"
+PRESETS = {  # experiment: (GEM id, GEM's own turn limit)
+    "gem_sudoku": ("game:Sudoku-v0-easy", 15),
+    "gem_guess_number": ("game:GuessTheNumber-v0-easy", 4),
+}
+SAMPLE = (
+    "You are playing A simple version of Sudoku.\nHere is the current board layout:\n   C1 C2   C3 C4  \n"
+    "R1  .  2 |  3  .\nEnter your move.<|im_end|>\n<|im_start|>assistant\n\\boxed{1 1 4}ü 12 345"
+)
+
+
+def test_model_dir_loads_with_its_own_tokenizer_and_holds_a_whole_episode():
+    auto = AutoTokenizer.from_pretrained(GEM_MODEL)
+    fast = PreTrainedTokenizerFast(tokenizer_file=str(GEM_MODEL / "tokenizer.json"))
+    for text in (SAMPLE, "At turn 3, you guessed 7, and the target number is lower than 7.\n\\boxed{5}"):
+        assert auto(text).input_ids == fast(text).input_ids
+        assert auto.decode(auto(text).input_ids) == text
+    config = json.loads((GEM_MODEL / "config.json").read_text())
+    assert config["vocab_size"] == len(auto) and config["max_position_embeddings"] >= 2560
+    info = json.loads((GEM_MODEL / "build_info.json").read_text())
+    assert info["built_with"].startswith("scripts/build_tiny_gem_model.py")
+    assert sum(f.stat().st_size for f in GEM_MODEL.iterdir()) < 8 << 20  # a few MB
+
+
+@pytest.mark.parametrize("algo", ["grpo", "cispo", "ppo"])
+@pytest.mark.parametrize("experiment", sorted(PRESETS))
+def test_gem_presets_compose_and_validate(experiment, algo):
+    cfg = compose_config([f"experiment={experiment}", f"algo={algo}"], output_dir=Path("/tmp/unused"))
+    validate(cfg)
+    env_id, turns = PRESETS[experiment]
+    assert cfg.model.path == str(GEM_MODEL) and cfg.model.name == "tiny_gem"
+    assert (cfg.name, cfg.env._target_, cfg.env.kwargs.id, cfg.algo.name) == (
+        experiment,
+        "rlhf_lightning.envs.gem.GemEnv",
+        env_id,
+        algo,
+    )
+    assert cfg.env.max_turns == turns and cfg.env.max_model_len == 2560
+    assert cfg.algo.lr == 2e-3 and cfg.algo.prompts_per_step * cfg.algo.group_size <= 64
+    if algo == "ppo":
+        assert cfg.algo.advantage_granularity == "turn"
+
+
+def test_real_model_override_keeps_the_game():
+    cfg = compose_config(["experiment=gem_sudoku", "model=qwen0.5b"], output_dir=Path("/tmp/unused"))
+    assert cfg.model.name != "tiny_gem" and cfg.env.kwargs.id == "game:Sudoku-v0-easy"
+    assert cfg.algo.lr != 2e-3  # tuned/tiny_gem applies to model=tiny_gem only
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("experiment", sorted(PRESETS))
+def test_two_steps_play_gem_and_move_the_weights(tmp_path, experiment):
+    cfg = compose_config(
+        [
+            f"experiment={experiment}",
+            "algo=cispo",
+            "algo.prompts_per_step=2",
+            "algo.group_size=4",
+            "num_threads=1",
+            "trainer.enable_progress_bar=false",
+        ],
+        output_dir=tmp_path / "run",
+    )
+    results, initial = [], {}
+
+    def hook(module):
+        initial.update(
+            {n: p.detach().clone() for n, p in module.policy.named_parameters() if p.requires_grad}
+        )
+        original = module.collect
+
+        def spy(rows):
+            out = original(rows)
+            results.append(out[0])
+            return out
+
+        module.collect = spy
+
+    module, trainer = fit_steps(cfg, tmp_path, steps=2, module_hook=hook)
+    assert trainer.global_step == 2 and len(results) == 2 and initial
+    for result in results:
+        assert len(result.trajectories) == 8
+        turns = [i for t in result.trajectories for i in t.infos]
+        assert result.metrics["env/valid_move"] == pytest.approx(
+            sum(i["valid_move"] for i in turns) / len(turns)
+        )
+        for t in result.trajectories:
+            assert t.task_info["gem_seed"] < 100_000 and 1 <= t.num_turns <= PRESETS[experiment][1]
+            assert len(t.token_ids) <= 2560
+    # A group (4 contiguous episodes of one row) whose returns differ has non-zero advantages.
+    returns = [[sum(t.rewards) for t in r.trajectories] for r in results]
+    learned = any(len(set(ret[g : g + 4])) > 1 for ret in returns for g in range(0, 8, 4))
+    moved = any(not torch.equal(p, initial[n]) for n, p in module.policy.named_parameters() if n in initial)
+    assert moved or not learned
