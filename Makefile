@@ -60,6 +60,7 @@ lint: install-dev
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
+	$(VENV)/bin/lint-imports
 
 format: install-dev
 	$(PY) -m ruff format .

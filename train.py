@@ -6,14 +6,15 @@ import hydra
 from omegaconf import DictConfig
 
 from rlhf_lightning.config import register_configs
-from rlhf_lightning.run import run
-from rlhf_lightning.validation import ConfigError
+from rlhf_lightning.errors import ConfigError
 
 register_configs()
 
 
 @hydra.main(version_base=None, config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
+    from rlhf_lightning.run import run  # here: a bad key fails in Hydra's composition, before torch
+
     try:
         result = run(cfg)
     except ConfigError as err:  # a bad value: the message says which and what is allowed, no traceback

@@ -78,8 +78,10 @@ class RolloutAlgoConfig(OptimConfig):
 
     # Clipped surrogate bounds (the ratio is clipped to [1 - clip_low, 1 + clip_high]).
     loss_agg_mode: str = "token_mean"
-    clip_low: float | None = 0.2
-    clip_high: float | None = 0.2
+    # auto: the loss's own (ppo_clip 0.2 / 0.2, cispo none / 4.0, gspo 3e-4 / 4e-4; see
+    # algorithms/checks.py resolve_clip_defaults); a number; or null for no bound.
+    clip_low: Any = "auto"
+    clip_high: Any = "auto"
     clip_ratio_c: float | None = None
     is_pooling: str = "mean"  # sequence/turn ratios: mean (geometric mean) | sum (product of token ratios)
     max_len_norm: int | None = None  # seq_mean_token_sum_norm's constant; default rollout.max_new_tokens
@@ -427,6 +429,12 @@ def register_configs() -> None:
         ("strategy", "strategy", StrategyConfig),
         ("logger", "logger", LoggerConfig),
         ("trainer", "trainer", TrainerConfig),
+        # The built-in algorithm families' schemas (``algo.module`` names); a family defined
+        # outside the package stores its own through ``register_algorithm`` when imported. Stored
+        # here so that composing a config imports neither the families nor torch.
+        ("algo", "grpo", GRPOConfig),
+        ("algo", "ppo", PPOConfig),
+        ("algo", "sft", SFTConfig),
+        ("algo", "dpo", DPOConfig),
     ):
         cs.store(group=f"schema/{group}", name=name, node=node)
-    import rlhf_lightning.algorithms  # noqa: F401  (each algorithm family stores its own schema)

@@ -43,9 +43,9 @@ from typing import Any, cast
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from rlhf_lightning.errors import ConfigError
 from rlhf_lightning.models.adapters import ACTOR, CRITIC, adapter_dir
 from rlhf_lightning.models.build import DTYPES, load_model, load_tokenizer
-from rlhf_lightning.validation import ConfigError
 
 CHECKPOINT_PREFIX = "policy.model."  # the LightningModule's keys for the wrapped model's weights
 

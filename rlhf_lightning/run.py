@@ -16,6 +16,7 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from rlhf_lightning.algorithms.checks import resolve_clip_defaults
 from rlhf_lightning.algorithms.spec import get_algorithm
 from rlhf_lightning.callbacks import AdapterExport, SameConfigOnAllRanks, SampleTable, config_digest
 from rlhf_lightning.callbacks.checkpoints import AtomicCheckpointIO, BestCheckpoint, KeepLast, StepCheckpoint
@@ -247,6 +248,7 @@ def build(cfg: DictConfig, output_dir: Path) -> tuple[L.LightningModule, L.Light
         compute_dtype=m.compute_dtype,
         liger_kernels=m.liger_kernels,
     )
+    resolve_clip_defaults(a)  # as validate() did: clip bounds left at auto are the loss's own
     hp = OmegaConf.to_object(a)
     policy = build_policy(
         model,

@@ -19,6 +19,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
 
+from rlhf_lightning.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 STRATEGIES = ("auto", "ddp", "fsdp")
@@ -27,8 +29,6 @@ STRATEGIES = ("auto", "ddp", "fsdp")
 def split_global(size: int, world_size: int, field: str) -> int:
     """A global batch size (config field ``field``) split evenly across ``world_size`` ranks."""
     if size % world_size:
-        from rlhf_lightning.validation import ConfigError
-
         raise ConfigError(
             field, size, f"a multiple of the number of processes ({world_size}): batch sizes are global"
         )
@@ -61,7 +61,7 @@ def fsdp2_strategy(process_group_backend: str | None, timeout: timedelta) -> Any
     """
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    from rlhf_lightning.algorithms.distributed import is_dtensor
+    from rlhf_lightning.runtime.distributed import is_dtensor
 
     class FSDP2Strategy(ModelParallelStrategy):
         def setup_environment(self) -> None:

@@ -10,6 +10,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from rlhf_lightning.algorithms.checks import resolve_clip_defaults
+from rlhf_lightning.errors import ConfigError, check, check_model_path
 from rlhf_lightning.models.kernels import QUANT_TYPES, gpu_model_problem
 from rlhf_lightning.strategies import STRATEGIES, split_global
 
@@ -17,48 +19,6 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOGGERS = ("csv", "tensorboard", "wandb")
 # What to pass for a required (``???``) field; any other one gets ``<value>``.
 REQUIRED_EXAMPLES = {"model.path": "/path/to/model", "env._target_": "my_pkg.envs.MyEnv"}
-
-
-class ConfigError(ValueError):
-    """An invalid config value: ``field=value``, and what is allowed."""
-
-    def __init__(self, field: str, value: Any, allowed: str) -> None:
-        self.field, self.value = field, value
-        super().__init__(f"invalid config: {field}={value!r}: {allowed}")
-
-
-def check(ok: bool, field: str, value: Any, allowed: str) -> None:
-    if not ok:
-        raise ConfigError(field, value, allowed)
-
-
-def is_hub_id(path: str) -> bool:
-    """``org/name`` with no local meaning (not absolute, not ./ or ~, no such directory)."""
-    p = path.strip()
-    return (
-        p.count("/") == 1
-        and not p.startswith(("/", ".", "~"))
-        and not Path(p).exists()
-        and all(part and " " not in part for part in p.split("/"))
-    )
-
-
-def check_model_path(field: str, path: str) -> None:
-    if is_hub_id(path):
-        return
-    p = Path(path).expanduser()
-    check(
-        p.is_dir(),
-        field,
-        path,
-        "no such directory; give an existing local model directory or a Hub id 'org/name'",
-    )
-    check(
-        (p / "config.json").is_file(),
-        field,
-        path,
-        "the directory has no config.json; point it at a saved model (save_pretrained output)",
-    )
 
 
 def validate_model(m: DictConfig) -> None:
@@ -362,6 +322,7 @@ def validate(cfg: DictConfig) -> None:
     check_required(cfg)
     check_known_keys(cfg)
     spec = typed_algo(cfg)
+    resolve_clip_defaults(cfg.algo)
     validate_model(cfg.model)
     validate_rollout(cfg.rollout)
     validate_trainer(cfg.trainer)

@@ -12,6 +12,7 @@ import torch
 from omegaconf import OmegaConf
 
 from rlhf_lightning.callbacks.signals import StopOnSignal
+from rlhf_lightning.errors import ConfigError
 from rlhf_lightning.rundir import (
     LOCK,
     check_same_run,
@@ -20,7 +21,6 @@ from rlhf_lightning.rundir import (
     release_run_dir,
     save_run_config,
 )
-from rlhf_lightning.validation import ConfigError
 
 
 def hold(path, pid: int) -> None:

@@ -22,7 +22,6 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from rlhf_lightning.algorithms.common import MetricAccumulator, Metrics, adamw_with_schedule
 from rlhf_lightning.algorithms.diagnostics import turn_metrics
-from rlhf_lightning.algorithms.distributed import agree_max, all_sum
 from rlhf_lightning.algorithms.evaluation import RolloutEvaluation
 from rlhf_lightning.algorithms.liger_path import LigerObjective, use_liger
 from rlhf_lightning.algorithms.objective import (
@@ -42,6 +41,7 @@ from rlhf_lightning.losses.masked import masked_mean
 from rlhf_lightning.models.policy import Policy
 from rlhf_lightning.models.sharding import gathered
 from rlhf_lightning.rollout.engine import RolloutEngine, SamplingParams
+from rlhf_lightning.runtime.distributed import agree_max, all_sum
 
 log = logging.getLogger(__name__)
 

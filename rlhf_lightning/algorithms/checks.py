@@ -3,13 +3,35 @@ message naming the field, the value and what is allowed, before any model is loa
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
+from rlhf_lightning.errors import check
 from rlhf_lightning.losses import ADVANTAGE_ESTIMATORS, AGGREGATION_MODES, KL_ESTIMATORS, POLICY_LOSSES
 from rlhf_lightning.ops.liger import liger_unsupported
-from rlhf_lightning.validation import check
+
+CLIP_FIELDS = ("clip_low", "clip_high")
+
+
+def resolve_clip_defaults(a: DictConfig) -> None:
+    """``algo.clip_low`` / ``algo.clip_high`` left at ``auto`` (the schema's default) take the chosen
+    loss's own values, from its params class in :mod:`rlhf_lightning.losses.policy` (ppo_clip 0.2 /
+    0.2, cispo none / 4.0, gspo 3e-4 / 4e-4; a loss without clip bounds: none). So ``algo=grpo
+    algo.loss=gspo`` clips as GSPO does, and an explicit number (or null: no bound) is kept.
+    PPO's loss is ppo_clip. Idempotent; an unknown loss is left for the start-up check to name."""
+    if not all(k in a for k in CLIP_FIELDS):
+        return  # an offline family
+    name = a.get("loss", "ppo_clip")
+    if name not in POLICY_LOSSES:
+        return
+    params = POLICY_LOSSES.meta(name)["params"]
+    defaults = {f.name: f.default for f in dataclasses.fields(params)}
+    with open_dict(a):
+        for key in CLIP_FIELDS:
+            if a[key] == "auto":
+                a[key] = defaults.get(key)
 
 
 def validate_ppo(a: DictConfig, cfg: DictConfig) -> None:
@@ -112,14 +134,24 @@ def validate_rollout_algo(a: DictConfig, cfg: DictConfig) -> None:
     check(a.update_epochs >= 1, "algo.update_epochs", a.update_epochs, "at least 1")
     check(a.beta >= 0, "algo.beta", a.beta, "a KL coefficient >= 0")
     check(a.kl_clamp is None or a.kl_clamp > 0, "algo.kl_clamp", a.kl_clamp, "> 0, or null")
+    for key in CLIP_FIELDS:
+        value = a[key]
+        check(
+            value is None
+            or value == "auto"  # only while algo.loss is unknown (named by its own check)
+            or (isinstance(value, int | float) and not isinstance(value, bool)),
+            f"algo.{key}",
+            value,
+            "a number, null (no bound) or auto (the loss's own bound)",
+        )
     check(
-        a.clip_low is None or 0.0 <= a.clip_low < 1.0,
+        a.clip_low in (None, "auto") or 0.0 <= a.clip_low < 1.0,
         "algo.clip_low",
         a.clip_low,
         "an offset in [0, 1) (the ratio's lower bound is 1 - clip_low), or null for none",
     )
     check(
-        a.clip_high is None or a.clip_high > 0.0,
+        a.clip_high in (None, "auto") or a.clip_high > 0.0,
         "algo.clip_high",
         a.clip_high,
         "an offset > 0 (the ratio's upper bound is 1 + clip_high), or null for none",

@@ -12,8 +12,9 @@ import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from rlhf_lightning.algorithms import rng
-from rlhf_lightning.algorithms.distributed import (
+from rlhf_lightning.models.sharding import is_sharded
+from rlhf_lightning.runtime import rng
+from rlhf_lightning.runtime.distributed import (
     agree_max,
     all_sum,
     clip_by_norm,
@@ -22,8 +23,7 @@ from rlhf_lightning.algorithms.distributed import (
     reduce_metrics,
     sync_gradients,
 )
-from rlhf_lightning.algorithms.schedule import warmup_cosine
-from rlhf_lightning.models.sharding import is_sharded
+from rlhf_lightning.runtime.schedule import warmup_cosine
 from rlhf_lightning.strategies import split_global
 
 Metrics = dict[str, torch.Tensor]

@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
-from rlhf_lightning.algorithms import rng
 from rlhf_lightning.algorithms.common import ModuleMixin
 from rlhf_lightning.data.prompts import PAD_ROW
 from rlhf_lightning.envs.harness import RolloutResult, reward_value
 from rlhf_lightning.models.sharding import gathered
 from rlhf_lightning.rollout.engine import SamplingParams
+from rlhf_lightning.runtime import rng
 
 
 def episode_success(traj: Any) -> float:

@@ -19,13 +19,13 @@ from rlhf_lightning.algorithms.critic import (
     token_sums_to_steps,
 )
 from rlhf_lightning.algorithms.diagnostics import per_turn_means
-from rlhf_lightning.algorithms.distributed import clip_by_norm, gather_rows, grad_norm
 from rlhf_lightning.algorithms.objective import CriticTerm, PolicyObjective, PolicyTerm
 from rlhf_lightning.algorithms.spec import AlgorithmSpec, register_algorithm
 from rlhf_lightning.config import PPOConfig
 from rlhf_lightning.envs.trajectory import TrajectoryBatch
 from rlhf_lightning.losses import get_advantage_estimator
 from rlhf_lightning.losses.advantages import postprocess_advantages
+from rlhf_lightning.runtime.distributed import clip_by_norm, gather_rows, grad_norm
 
 
 class PPOModule(RolloutModule):

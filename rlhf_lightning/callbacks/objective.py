@@ -8,8 +8,8 @@ from typing import Any
 
 import lightning as L
 
+from rlhf_lightning.errors import ConfigError
 from rlhf_lightning.plot import read_metrics
-from rlhf_lightning.validation import ConfigError
 
 
 def _unknown(name: str, logged: list[str]) -> ConfigError:

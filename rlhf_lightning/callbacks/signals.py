@@ -18,7 +18,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from rlhf_lightning.algorithms.distributed import is_distributed
+from rlhf_lightning.runtime.distributed import is_distributed
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from hydra.utils import get_object
 
 from rlhf_lightning.envs.arithmetic import final_integer
 from rlhf_lightning.envs.math import verify
-from rlhf_lightning.validation import ConfigError
+from rlhf_lightning.errors import ConfigError
 
 Row = dict[str, Any]
 LOCAL_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}

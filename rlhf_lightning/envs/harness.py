@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -21,7 +19,7 @@ from rlhf_lightning.envs.base import Observation, TextEnv
 from rlhf_lightning.envs.chat import ChatFormatter
 from rlhf_lightning.envs.stepping import EnvStepper, StepOutcome, StepTimeout
 from rlhf_lightning.envs.trajectory import Trajectory, TrajectoryBatch, collate
-from rlhf_lightning.rewards import CombinedReward
+from rlhf_lightning.rewards import CombinedReward, reward_value
 from rlhf_lightning.rollout.engine import Completion, RolloutEngine, SamplingParams
 
 __all__ = ["ChatFormatter", "RolloutHarness", "RolloutResult", "reward_value"]
@@ -34,20 +32,6 @@ class RolloutResult:
     batch: TrajectoryBatch
     trajectories: list[Trajectory]
     metrics: dict[str, float] = field(default_factory=dict)
-
-
-def reward_value(reward: Any) -> float | None:
-    """``reward`` as a float when it is a finite real number (a Python, NumPy or 0-d tensor
-    number; not a bool), else None."""
-    if getattr(reward, "ndim", None) == 0 and callable(getattr(reward, "item", None)):
-        reward = reward.item()  # NumPy scalar, 0-d array or 0-d tensor -> Python number
-    if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
-        return None
-    try:
-        value = float(reward)
-    except OverflowError:  # an int beyond float range
-        return None
-    return value if math.isfinite(value) else None
 
 
 def _check_step_output(env: TextEnv, out: Any) -> tuple[Observation, float, bool, bool, dict]:

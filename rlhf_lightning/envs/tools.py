@@ -20,7 +20,7 @@ from typing import Any
 from rlhf_lightning.envs.base import Message, Observation
 from rlhf_lightning.envs.stepping import StepTimeout, call_with_timeout
 from rlhf_lightning.envs.tool_parsers import TOOL_PARSERS, MalformedCall, ToolCall, get_tool_parser
-from rlhf_lightning.validation import ConfigError
+from rlhf_lightning.errors import ConfigError
 
 LIMIT_NOTE = "(that was the last tool call allowed in this episode: reply with your final answer)"
 

@@ -12,6 +12,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from rlhf_lightning.errors import ConfigError, is_hub_id
 from rlhf_lightning.models.adapters import (
     ACTOR,
     CRITIC,
@@ -23,7 +24,6 @@ from rlhf_lightning.models.adapters import (
 )
 from rlhf_lightning.models.kernels import apply_liger, quantized_load_kwargs
 from rlhf_lightning.models.policy import Policy
-from rlhf_lightning.validation import ConfigError, is_hub_id
 
 log = logging.getLogger(__name__)
 

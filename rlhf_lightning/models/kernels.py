@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from rlhf_lightning.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 QUANTIZATIONS = (None, "4bit", "8bit")
@@ -99,8 +101,6 @@ def apply_liger(model: torch.nn.Module) -> None:
 
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
-        from rlhf_lightning.validation import ConfigError
-
         raise ConfigError(
             "model.liger_kernels", True,
             f"a model type Liger patches ({', '.join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))}), not {model_type!r}",

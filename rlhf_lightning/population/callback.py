@@ -29,12 +29,12 @@ from typing import Any, cast
 import lightning as L
 import torch
 
-from rlhf_lightning.algorithms import rng as rng_state
 from rlhf_lightning.algorithms.evaluation import episode_success
-from rlhf_lightning.algorithms.schedule import warmup_cosine
 from rlhf_lightning.population.checks import check_member, validate_space
 from rlhf_lightning.population.evolution import MUTABLE, MutationRange, mutate, tournament_select
 from rlhf_lightning.population.members import KEEP_SNAPSHOTS, Member, copy_into, write_snapshot
+from rlhf_lightning.runtime import rng as rng_state
+from rlhf_lightning.runtime.schedule import warmup_cosine
 
 FITNESS = ("accuracy_sampled", "accuracy_greedy", "return_sampled", "return_greedy")
 LINEAGE_FIELDS = ["step", "slot", "id", "parent", "event", "mutation", "parent_fitness", *MUTABLE]

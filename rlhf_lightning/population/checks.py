@@ -15,8 +15,8 @@ from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
+from rlhf_lightning.errors import ConfigError, check
 from rlhf_lightning.population.evolution import DEFAULT_SPACE, INTEGER, MUTABLE
-from rlhf_lightning.validation import ConfigError, check
 
 # What each hyper-parameter must be, as its start-up check in validation.py / algorithms/checks.py.
 DOMAINS = {
@@ -114,11 +114,6 @@ def unused_problem(name: str, algo: Mapping[str, Any], finetune: str) -> str | N
     where = f"algo={algo.get('name')}"
     if name not in algo:
         return f"{where} has no {name}: mutating it would change nothing; drop it from population.mutate"
-    if algo[name] is None:
-        return (
-            f"algo.{name} is null in {where} (the objective does not use it); set algo.{name} to a value "
-            "or drop it from population.mutate"
-        )
     if name in ("clip_low", "clip_high"):
         from rlhf_lightning.losses import POLICY_LOSSES
 
@@ -129,6 +124,11 @@ def unused_problem(name: str, algo: Mapping[str, Any], finetune: str) -> str | N
                     f"algo.loss={loss} does not use {name}: mutating it would change nothing; drop it "
                     "from population.mutate"
                 )
+    if algo[name] is None:
+        return (
+            f"algo.{name} is null in {where} (the objective does not use it); set algo.{name} to a value "
+            "or drop it from population.mutate"
+        )
     if name == "beta" and finetune != "lora" and algo["beta"] == 0:
         return (
             "model.finetune=full with algo.beta=0 builds no reference model for a KL term; set algo.beta > 0 "

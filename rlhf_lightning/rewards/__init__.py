@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import inspect
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -22,7 +23,7 @@ from typing import Any, Protocol
 import torch
 from hydra.utils import get_object
 
-from rlhf_lightning.validation import ConfigError
+from rlhf_lightning.errors import ConfigError
 
 SOURCES = ("env", "function", "model")
 NORMALIZE = ("none", "batch")
@@ -143,11 +144,23 @@ class FunctionReward:
         return checked_scores(out, len(episodes), f"reward.fn={self.path}")
 
 
+def reward_value(reward: Any) -> float | None:
+    """``reward`` as a float when it is a finite real number (a Python, NumPy or 0-d tensor
+    number; not a bool), else None."""
+    if getattr(reward, "ndim", None) == 0 and callable(getattr(reward, "item", None)):
+        reward = reward.item()  # NumPy scalar, 0-d array or 0-d tensor -> Python number
+    if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
+        return None
+    try:
+        value = float(reward)
+    except OverflowError:  # an int beyond float range
+        return None
+    return value if math.isfinite(value) else None
+
+
 def checked_scores(out: Any, n: int, source: str) -> list[float]:
     """``out`` as ``n`` floats when it is a list, tuple, 1-d NumPy array or 1-d tensor of finite
     real numbers (not bools, not strings), else an error naming ``source``."""
-    from rlhf_lightning.envs.harness import reward_value  # here: the harness imports this module
-
     expected = (
         f"{source} must return a list (or tuple, 1-d NumPy array, 1-d tensor) of {n} finite real "
         "numbers, one per completion (not bools or strings)"

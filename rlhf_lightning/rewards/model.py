@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
+from rlhf_lightning.errors import ConfigError, check_model_path
 from rlhf_lightning.rewards import Episode
-from rlhf_lightning.validation import ConfigError, check_model_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -27,10 +27,10 @@ def main(spec_path: str) -> None:
     from lightning.pytorch.strategies import DDPStrategy
     from torch.utils.data import DataLoader, Subset
 
-    from rlhf_lightning.algorithms.distributed import is_dtensor
     from rlhf_lightning.envs.harness import RolloutResult
     from rlhf_lightning.envs.trajectory import collate
     from rlhf_lightning.run import build
+    from rlhf_lightning.runtime.distributed import is_dtensor
     from rlhf_lightning.strategies import fsdp2_strategy
     from tests.conftest import compose_config
 

@@ -84,7 +84,7 @@ def tiny_layers() -> int:
 
 
 def test_grad_norm_and_clip_by_norm_match_torch():
-    from rlhf_lightning.algorithms.distributed import clip_by_norm, grad_norm
+    from rlhf_lightning.runtime.distributed import clip_by_norm, grad_norm
 
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(3)]

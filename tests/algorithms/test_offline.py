@@ -8,8 +8,8 @@ from safetensors.torch import load_file
 
 from rlhf_lightning.data.offline import encode_conversation
 from rlhf_lightning.envs.harness import ChatFormatter
+from rlhf_lightning.errors import ConfigError
 from rlhf_lightning.run import run
-from rlhf_lightning.validation import ConfigError
 from tests.conftest import FAST, compose_config, fit_steps
 
 QUICK = [o for o in FAST if not o.startswith("algo.")]

@@ -27,8 +27,8 @@ def test_a_template_that_strips_earlier_reasoning_is_refused(tiny_tokenizer, mon
 
 
 def test_a_multi_turn_run_with_such_a_template_stops_at_start_up(fast_cfg, tmp_path):
+    from rlhf_lightning.errors import ConfigError
     from rlhf_lightning.run import build
-    from rlhf_lightning.validation import ConfigError
 
     cfg = fast_cfg("env=guess_number", f"model.chat_template={STRIPPING!r}".replace("\n", "\\n"))
     with pytest.raises(ConfigError, match=r"model.chat_template=.*not prefix-stable"):
@@ -50,7 +50,7 @@ def test_tools_reach_the_template(tiny_tokenizer, monkeypatch):
 
 def test_a_template_that_ignores_tools_is_refused(tiny_tokenizer):
     from rlhf_lightning.envs.chat import check_template
-    from rlhf_lightning.validation import ConfigError
+    from rlhf_lightning.errors import ConfigError
 
     tools = [{"type": "function", "function": {"name": "calculator", "parameters": {}}}]
     with pytest.raises(
@@ -61,8 +61,8 @@ def test_a_template_that_ignores_tools_is_refused(tiny_tokenizer):
 
 def test_chat_template_from_a_jinja_file(tmp_path):
     from rlhf_lightning.config import ASSETS
+    from rlhf_lightning.errors import ConfigError
     from rlhf_lightning.models.build import read_chat_template
-    from rlhf_lightning.validation import ConfigError
 
     path = ASSETS / "chat_templates" / "tools.jinja"
     assert read_chat_template(str(path)) == path.read_text()

@@ -20,8 +20,9 @@ from rlhf_lightning.envs.dataset import (
     load_rows,
     prepared_splits,
 )
+from rlhf_lightning.errors import ConfigError
 from rlhf_lightning.run import run
-from rlhf_lightning.validation import ConfigError, validate
+from rlhf_lightning.validation import validate
 from tests.conftest import FAST, compose_config
 
 

@@ -94,7 +94,7 @@ def test_math_env_reads_files_and_verifies_equivalent_answers(tmp_path):
 
 
 def test_malformed_jsonl_line_names_file_and_line(tmp_path):
-    from rlhf_lightning.validation import ConfigError
+    from rlhf_lightning.errors import ConfigError
 
     path = tmp_path / "p.jsonl"
     # U+2028 inside a JSON string is valid JSON and must not split the line

@@ -22,8 +22,8 @@ from rlhf_lightning.envs.base import TextEnv
 from rlhf_lightning.envs.factory import env_factory
 from rlhf_lightning.envs.gem import GemEnv, gem_seed
 from rlhf_lightning.envs.harness import ChatFormatter, RolloutHarness
+from rlhf_lightning.errors import ConfigError
 from rlhf_lightning.rollout.engine import Completion, SamplingParams
-from rlhf_lightning.validation import ConfigError
 from tests.conftest import fit_recording
 
 SUDOKU, GUESS, MINES, G2048 = (

@@ -18,7 +18,7 @@ from rlhf_lightning.algorithms.evaluation import episode_success
 from rlhf_lightning.envs.base import TextEnv
 from rlhf_lightning.envs.factory import env_factory
 from rlhf_lightning.envs.reasoning_gym import ReasoningGymEnv
-from rlhf_lightning.validation import ConfigError
+from rlhf_lightning.errors import ConfigError
 from tests.conftest import fit_recording
 
 TARGET = "rlhf_lightning.envs.reasoning_gym.ReasoningGymEnv"

@@ -26,9 +26,9 @@ from rlhf_lightning.envs.tool_tasks import (
     lookup,
 )
 from rlhf_lightning.envs.tools import LIMIT_NOTE, ToolEnv
+from rlhf_lightning.errors import ConfigError
 from rlhf_lightning.models.build import load_tokenizer
 from rlhf_lightning.rollout.engine import Completion, SamplingParams
-from rlhf_lightning.validation import ConfigError
 
 TEMPLATE = ASSETS / "chat_templates" / "tools.jinja"
 RELEASE = threading.Event()  # lets a timed-out sleepy() thread finish at the end of the module

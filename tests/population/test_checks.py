@@ -10,10 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from rlhf_lightning.errors import ConfigError
 from rlhf_lightning.population.callback import Population
 from rlhf_lightning.population.checks import check_member, value_problem
 from rlhf_lightning.population.evolution import MutationRange, mutate
-from rlhf_lightning.validation import ConfigError, validate
+from rlhf_lightning.validation import validate
 from tests.conftest import FAST, compose_config
 
 POP = [*FAST, "population.size=2", "population.evolve_every=2"]  # prompts_per_step=4, group_size=4

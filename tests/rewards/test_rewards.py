@@ -13,10 +13,10 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import GPT2Config, GPT2ForSequenceClassification, PreTrainedTokenizerFast
 
 from rlhf_lightning.envs.trajectory import Trajectory
+from rlhf_lightning.errors import ConfigError
 from rlhf_lightning.rewards import CombinedReward, Episode, FunctionReward, build_reward
 from rlhf_lightning.rewards.model import ModelReward
 from rlhf_lightning.run import run
-from rlhf_lightning.validation import ConfigError
 from tests.conftest import FAST, compose_config
 
 

@@ -14,7 +14,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from rlhf_lightning.algorithms.distributed import gather_objects
+from rlhf_lightning.runtime.distributed import gather_objects
 
 
 def _numpy_state() -> tuple[Any, ...]:

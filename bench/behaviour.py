@@ -1,0 +1,120 @@
+"""Behaviour unchanged? The same short runs from two checkouts, compared row by row.
+
+    git worktree add /tmp/before <commit>                       # the code before a change
+    .venv/bin/python bench/behaviour.py run --root /tmp/before --out outputs/behaviour/before
+    .venv/bin/python bench/behaviour.py run --root .           --out outputs/behaviour/after
+    .venv/bin/python bench/behaviour.py compare outputs/behaviour/before outputs/behaviour/after
+
+``run`` trains each case of :data:`CASES` (50 steps, seed 0, one thread, no checkpoints) with
+``train.py`` of ``--root`` and this checkout's Python environment, each in its own process.
+``compare`` reads both sides' ``metrics.csv`` and reports, per case, whether every row and every
+column except ``perf/*`` (wall times, throughput) is identical, and else the first differing
+row and columns with both values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+COMMON = [
+    "seed=0",
+    "num_threads=1",
+    "trainer.max_steps=50",
+    "trainer.val_check_interval=25",
+    "trainer.enable_progress_bar=false",
+    "checkpoint.every_n_steps=0",
+    "samples.every_n_steps=0",
+]
+CASES: dict[str, list[str]] = {
+    "grpo": ["algo=grpo"],
+    "dapo": ["algo=dapo"],
+    "ppo_guess_number": ["algo=ppo", "experiment=guess_number"],
+    "cispo_2_epochs": ["algo=cispo", "algo.update_epochs=2"],
+    "population_2": ["population.size=2", "population.evolve_every=20"],
+    "ddp_2": ["strategy=ddp", "trainer.accelerator=cpu", "trainer.devices=2"],
+}
+IGNORED_PREFIXES = ("perf/",)
+
+
+def run_cases(root: Path, out: Path, names: list[str]) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONHASHSEED": "0"}
+    for name in names:
+        target = out / name
+        t0 = time.perf_counter()
+        proc = subprocess.run(
+            [sys.executable, "train.py", *CASES[name], *COMMON, f"output_dir={target.resolve()}"],
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        if proc.returncode != 0:
+            print(proc.stdout[-2000:], proc.stderr[-4000:], sep="\n", file=sys.stderr)
+            raise SystemExit(f"{name} failed under {root}")
+        print(f"{name}: {time.perf_counter() - t0:.0f} s -> {target}", flush=True)
+
+
+def read_rows(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def same(a: str, b: str) -> bool:
+    if a == b:
+        return True
+    try:
+        x, y = float(a), float(b)
+    except ValueError:
+        return False
+    return x == y or (math.isnan(x) and math.isnan(y))
+
+
+def compare_case(before: Path, after: Path) -> str:
+    """'identical (N rows)' or the first difference."""
+    a, b = read_rows(before / "metrics.csv"), read_rows(after / "metrics.csv")
+    columns = sorted(
+        c for c in set(a[0] if a else {}) | set(b[0] if b else {}) if not c.startswith(IGNORED_PREFIXES)
+    )
+    only = sorted(set(a[0] if a else {}) ^ set(b[0] if b else {}))
+    if len(a) != len(b):
+        return f"DIFFERENT: {len(a)} rows before, {len(b)} after"
+    for i, (ra, rb) in enumerate(zip(a, b, strict=True)):
+        diff = [c for c in columns if not same(ra.get(c, ""), rb.get(c, ""))]
+        if diff:
+            shown = ", ".join(f"{c}: {ra.get(c, '')!r} -> {rb.get(c, '')!r}" for c in diff[:6])
+            return f"DIFFERENT at row {i} (step {ra.get('step', '?')}): {shown}"
+    note = f"; columns in one side only: {only}" if only else ""
+    return f"identical ({len(a)} rows, {len(columns)} columns){note}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--root", type=Path, required=True, help="the checkout whose train.py runs")
+    r.add_argument("--out", type=Path, required=True)
+    r.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    c = sub.add_parser("compare")
+    c.add_argument("before", type=Path)
+    c.add_argument("after", type=Path)
+    c.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    args = ap.parse_args()
+    if args.cmd == "run":
+        run_cases(args.root, args.out, args.cases)
+        return
+    print("| case | overrides | result |\n|---|---|---|")
+    for name in args.cases:
+        print(
+            f"| {name} | `{' '.join(CASES[name])}` | {compare_case(args.before / name, args.after / name)} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

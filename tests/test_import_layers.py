@@ -1,0 +1,78 @@
+"""The import-layer contract of ``pyproject.toml`` (``[tool.importlinter]``, run by ``make lint``):
+kept by the package, and broken by a deliberately added upward import or cycle."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
+pytestmark = pytest.mark.skipif(
+    not LINT_IMPORTS.exists(), reason="import-linter not installed (make install-dev)"
+)
+
+
+def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
+    """``lint-imports`` on the package under ``root`` with the project's contract."""
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    return subprocess.run(
+        [str(LINT_IMPORTS), "--config", str(root / "pyproject.toml"), "--no-cache"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def package_copy(tmp_path: Path) -> Path:
+    """The package's Python files and ``pyproject.toml`` under ``tmp_path`` (no assets)."""
+    shutil.copytree(
+        ROOT / "rlhf_lightning",
+        tmp_path / "rlhf_lightning",
+        ignore=shutil.ignore_patterns("assets", "__pycache__"),
+    )
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    return tmp_path
+
+
+def test_the_package_keeps_its_layers():
+    out = lint_imports(ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "1 kept, 0 broken" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("module", "line", "named"),
+    [
+        # the cycle this round removed: the schemas importing the algorithm families
+        (
+            "config.py",
+            "import rlhf_lightning.algorithms\n",
+            "rlhf_lightning.config -> rlhf_lightning.algorithms",
+        ),
+        # a leaf reaching up to the run
+        ("errors.py", "from rlhf_lightning import run\n", "rlhf_lightning.errors -> rlhf_lightning.run"),
+        # a lazy import inside a function counts too (the old rewards <-> harness cycle)
+        (
+            "rewards/__init__.py",
+            "def _late():\n    from rlhf_lightning.envs.harness import RolloutHarness\n",
+            "rlhf_lightning.rewards -> rlhf_lightning.envs.harness",
+        ),
+    ],
+)
+def test_an_added_upward_import_breaks_the_contract(tmp_path, module, line, named):
+    root = package_copy(tmp_path)
+    assert lint_imports(root).returncode == 0  # the copy keeps it before the edit
+    with open(root / "rlhf_lightning" / module, "a") as f:
+        f.write("\n" + line)
+    out = lint_imports(root)
+    assert out.returncode != 0
+    assert "BROKEN" in out.stdout and named in out.stdout, out.stdout
