@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/gem_sudoku.py --algos cispo --seeds 0 1 2              # experiment=gem_sudoku
     .venv/bin/python bench/gem_sudoku.py --experiment gem_guess_number --algos cispo grpo ppo \\
-        --plot docs/learning_gem_sudoku.png
+        --plot docs/learning_gem_guess_number.png
 
 Like ``bench/learning.py`` (whose curves and window means it reuses), one training run per
 algorithm and seed, each in its own process (``OMP_NUM_THREADS=1``, ``num_threads=1``), then one
