@@ -109,6 +109,9 @@ class RolloutAlgoConfig(OptimConfig):
     group_size: int = 8
     prompts_per_step: int = 16
     mini_batch_size: int | None = None  # per optimizer step; None: the whole rollout batch
+    # Micro-batches by token budget instead of micro_batch_size rows: consecutive rows packed while
+    # rows x the longest row's length stays within this many tokens (per rank); a longer row alone.
+    micro_batch_tokens: int | None = None
     update_epochs: int = 1
     use_liger_loss: bool = False  # Liger's fused linear loss on GPU, for the combinations it covers
 

@@ -24,6 +24,7 @@ from rlhf_lightning.algorithms.common import MetricAccumulator, Metrics, adamw_w
 from rlhf_lightning.algorithms.diagnostics import turn_metrics
 from rlhf_lightning.algorithms.evaluation import RolloutEvaluation
 from rlhf_lightning.algorithms.liger_path import LigerObjective, use_liger
+from rlhf_lightning.algorithms.microbatch import split_by_tokens, split_rows
 from rlhf_lightning.algorithms.objective import (
     CriticTerm,
     KLTerm,
@@ -255,6 +256,21 @@ class RolloutModule(RolloutEvaluation):
     def micro_batch_size(self, n: int) -> int:
         return min(self.per_rank(self.hp.micro_batch_size, "micro_batch_size") or n, n)
 
+    def micro_chunks(
+        self, index: torch.Tensor, lengths: list[int], n: int, extra: int = 0
+    ) -> list[torch.Tensor]:
+        """Rows ``index`` (of a mini-batch of ``n``) as micro-batches: packed within
+        ``algo.micro_batch_tokens`` padded tokens (``lengths``: every row's sequence length, plus
+        ``extra`` padding columns the pass adds), else ``micro_batch_size`` rows at a time."""
+        if self.hp.micro_batch_tokens is not None:
+            return split_by_tokens(index, [length + extra for length in lengths], self.hp.micro_batch_tokens)
+        return split_rows(index, self.micro_batch_size(n))
+
+    def row_lengths(self, traj: TrajectoryBatch) -> list[int]:
+        """Every row's sequence length, read once per pass when micro-batches follow a token
+        budget (one host sync), else nothing."""
+        return traj.attention_mask.sum(-1).tolist() if self.hp.micro_batch_tokens is not None else []
+
     def old_logprobs(self, traj: TrajectoryBatch) -> torch.Tensor | None:
         """The behaviour log-probs the ratios use.
 
@@ -285,8 +301,8 @@ class RolloutModule(RolloutEvaluation):
             Shape: (B, L-1)
         """
         out = torch.zeros(traj.action_mask.shape, device=self.device)
-        micro = self.micro_batch_size(len(traj))
-        for index in torch.arange(len(traj), device=self.device).split(max(micro, 1)):
+        rows = torch.arange(len(traj), device=self.device)
+        for index in self.micro_chunks(rows, self.row_lengths(traj), len(traj)):
             value = self.policy.forward_heads(
                 traj.select(index),
                 (head,),
@@ -361,7 +377,7 @@ class RolloutModule(RolloutEvaluation):
         sched = cast(LRScheduler, self.lr_schedulers())
         n = len(traj)
         mini = self.mini_batch_size(n)
-        micro = self.micro_batch_size(mini)
+        lengths = self.row_lengths(traj)
         # Rows whose advantage is 0 everywhere add no gradient unless a KL loss term is used.
         seq_adv = (adv if adv.dim() == 1 else (adv * loss_mask).abs().sum(-1)) * loss_mask.any(-1)
         kl_in_loss = self.hp.beta > 0 and self.hp.kl_mode == "loss"
@@ -382,7 +398,7 @@ class RolloutModule(RolloutEvaluation):
                 run = mb[seq_adv[mb] != 0] if skip_zero else mb
                 mb_loss = torch.zeros((), device=self.device)
                 mb_actor = torch.zeros((), device=self.device)
-                for index, weight in self.lockstep(list(run.split(micro)) if len(run) else []):
+                for index, weight in self.lockstep(self.micro_chunks(run, lengths, mini)):
                     loss, m = self.micro_step(
                         traj, adv, loss_mask, old_logp, ref_logp, index, norm, actor, weight
                     )

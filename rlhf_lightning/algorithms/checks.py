@@ -131,6 +131,19 @@ def validate_rollout_algo(a: DictConfig, cfg: DictConfig) -> None:
         a.micro_batch_size,
         f"a divisor of the mini-batch ({mini} trajectories)",
     )
+    tokens = a.micro_batch_tokens
+    check(
+        tokens is None or (isinstance(tokens, int) and tokens > 0),
+        "algo.micro_batch_tokens",
+        tokens,
+        "a positive token budget per micro-batch, or null (micro_batch_size rows)",
+    )
+    check(
+        tokens is None or a.micro_batch_size is None,
+        "algo.micro_batch_size",
+        a.micro_batch_size,
+        f"null with algo.micro_batch_tokens={tokens}: set one of the two",
+    )
     check(a.update_epochs >= 1, "algo.update_epochs", a.update_epochs, "at least 1")
     check(a.beta >= 0, "algo.beta", a.beta, "a KL coefficient >= 0")
     check(a.kl_clamp is None or a.kl_clamp > 0, "algo.kl_clamp", a.kl_clamp, "> 0, or null")

@@ -110,8 +110,8 @@ class PPOModule(RolloutModule):
         """
         values = torch.zeros(traj.action_mask.shape, device=self.device)
         boot = torch.zeros(len(traj), device=self.device)
-        micro = max(self.micro_batch_size(len(traj)), 1)
-        for index in torch.arange(len(traj), device=self.device).split(micro):
+        rows = torch.arange(len(traj), device=self.device)
+        for index in self.micro_chunks(rows, self.row_lengths(traj), len(traj), extra=1):
             sub = traj.select(index)  # (b, w)
             w = sub.input_ids.shape[1]
             last = sub.attention_mask.sum(-1) - 1  # (b,) each row's last token

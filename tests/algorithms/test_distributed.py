@@ -132,6 +132,20 @@ def test_two_ranks_update_like_one_rank(tmp_path, trajectories, mode, strategy):
     assert two["metrics"]["actor/grad_norm"] == pytest.approx(one["metrics"]["actor/grad_norm"], rel=1e-5)
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_token_budget_micro_batches_on_two_ranks_update_like_fixed_ones_on_one(
+    tmp_path, trajectories, strategy
+):
+    """``algo.micro_batch_tokens``: each rank packs its own rows (FSDP: the ranks agree on the
+    count, the shorter one pads with zero-weight passes), the update is the fixed-size one."""
+    common = [*BASE, "algo.prompts_per_step=8", "algo.group_size=4", "algo.lr=1e-5"]
+    one = run_worker(tmp_path, "fixed", [*common, "algo.micro_batch_size=4"], 1, trajectories)
+    two = run_worker(tmp_path, "tokens", [*common, "algo.micro_batch_tokens=90"], 2, trajectories, strategy)
+    assert two["world"] == 2 and two["sharded"] == (strategy == "fsdp")
+    assert one["metrics"]["actor/grad_norm"] > 0
+    assert_same_update(one, two)
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
