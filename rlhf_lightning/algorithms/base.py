@@ -67,6 +67,8 @@ class RolloutModule(RolloutEvaluation):
         num_train_rows: rows in the env's train split (to draw extra prompts from).
     """
 
+    generates_in_training_step = True
+
     def __init__(
         self,
         policy: Policy,

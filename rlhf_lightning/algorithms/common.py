@@ -5,7 +5,7 @@ reference refresh), and checkpoints that hold trainable weights only."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import lightning as L
 import torch
@@ -76,6 +76,9 @@ class ModuleMixin(L.LightningModule):
     policy: Any
     hp: Any
     _grad_metrics: Metrics
+    # Whether ``training_step`` generates (rollout algorithms): the engine callback wakes the
+    # engine before each training batch only then.
+    generates_in_training_step: ClassVar[bool] = False
 
     @property
     def world_size(self) -> int:

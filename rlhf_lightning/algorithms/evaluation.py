@@ -120,9 +120,7 @@ class RolloutEvaluation(ModuleMixin):
         if self.harness is None or self.engine is None:
             raise RuntimeError("rollouts need a harness and an engine")
         with gathered(self.policy):  # FSDP: ranks generate independently (free when nested)
-            ensure_synced = getattr(self.engine, "ensure_synced", None)
-            if ensure_synced is not None:
-                ensure_synced(self.policy, self.global_step)
+            self.engine.ensure_synced(self.policy, self.global_step)
             progress = None if evaluation else getattr(self, "report_phase", None)
             return self.harness.rollout(
                 self.engine,

@@ -20,7 +20,7 @@ from rlhf_lightning.envs.chat import ChatFormatter
 from rlhf_lightning.envs.stepping import EnvStepper, StepOutcome, StepTimeout
 from rlhf_lightning.envs.trajectory import Trajectory, TrajectoryBatch, collate
 from rlhf_lightning.rewards import CombinedReward, reward_value
-from rlhf_lightning.rollout.engine import Completion, RolloutEngine, SamplingParams
+from rlhf_lightning.rollout.engine import Completion, Sampler, SamplingParams
 
 __all__ = ["ChatFormatter", "RolloutHarness", "RolloutResult", "reward_value"]
 
@@ -100,7 +100,7 @@ class RolloutHarness:
 
     def rollout(
         self,
-        engine: RolloutEngine,
+        engine: Sampler,
         rows: list[int],
         params: SamplingParams,
         *,

@@ -165,9 +165,8 @@ class Population(L.Callback):
         sched.load_state_dict(m.scheduler)
         self.apply_hparams(m.hparams)
         self.resident = slot
-        engine: Any = getattr(self.module, "engine", None)
-        if engine is not None and hasattr(engine, "synced_version"):
-            engine.synced_version = None  # another member's weights: the engine syncs before sampling
+        if self.module.engine is not None:
+            self.module.engine.invalidate()  # another member's weights: the engine syncs before sampling
 
     def apply_hparams(self, hp: dict[str, float]) -> None:
         module = self.module

@@ -12,19 +12,29 @@ Every transition is idempotent, so the order of other callbacks does not matter.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Protocol, cast
 
 import lightning as L
 import torch
 
 from rlhf_lightning.models.sharding import gathered
+from rlhf_lightning.rollout.engine import RolloutEngine
 
 log = logging.getLogger(__name__)
 
 
+class EngineOwner(Protocol):
+    """What this callback reads from the LightningModule it drives."""
+
+    engine: RolloutEngine | None
+    policy: Any
+    global_step: int
+    generates_in_training_step: bool
+
+
 class RolloutEngineCallback(L.Callback):
     """Drives ``pl_module.engine`` (any :class:`~rlhf_lightning.rollout.engine.RolloutEngine` with
-    ``wake``/``sleep``/``ensure_synced``/``shutdown``; the HF engine's are no-ops).
+    ``bind_rank``/``wake``/``sleep``/``ensure_synced``/``shutdown``; the HF engine's are no-ops).
 
     Args:
         offload_trainer_during_rollout: move the policy to the CPU while the engine is awake
@@ -42,9 +52,8 @@ class RolloutEngineCallback(L.Callback):
             pl_module.policy.to("cpu")
             torch.cuda.empty_cache()
         engine.wake()
-        if hasattr(engine, "ensure_synced"):
-            with gathered(pl_module.policy):  # FSDP: the full adapter, every rank together
-                engine.ensure_synced(pl_module.policy, pl_module.global_step)
+        with gathered(pl_module.policy):  # FSDP: the full adapter, every rank together
+            engine.ensure_synced(pl_module.policy, pl_module.global_step)
         self.events.append("wake")
 
     def release(self, pl_module: Any) -> None:
@@ -56,14 +65,14 @@ class RolloutEngineCallback(L.Callback):
     # -------------------------------------------------------------- hooks
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Tell the engine which rank it serves (processes exist now; the engine starts later)."""
-        bind = getattr(getattr(pl_module, "engine", None), "bind_rank", None)
-        if bind is not None:
-            bind(trainer.global_rank, trainer.world_size, trainer.local_rank)
+        engine = cast(EngineOwner, pl_module).engine
+        if engine is not None:
+            engine.bind_rank(trainer.global_rank, trainer.world_size, trainer.local_rank)
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if hasattr(pl_module, "collect"):  # rollout algorithms generate inside training_step
+        if pl_module.generates_in_training_step:  # rollout algorithms: inside training_step
             self.ready(pl_module)
 
     def on_rollout_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -86,7 +95,6 @@ class RolloutEngineCallback(L.Callback):
         self.close(pl_module)
 
     def close(self, pl_module: Any) -> None:
-        shutdown = getattr(pl_module.engine, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        if pl_module.engine is not None:
+            pl_module.engine.shutdown()
             self.events.append("shutdown")

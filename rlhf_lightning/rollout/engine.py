@@ -55,11 +55,37 @@ class Completion:
 
 
 @runtime_checkable
-class RolloutEngine(Protocol):
+class Sampler(Protocol):
+    """What the rollout harness needs of an engine: batched generation."""
+
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Completion]: ...
+
+
+@runtime_checkable
+class RolloutEngine(Sampler, Protocol):
+    """A generation engine as the module, its evaluation, the engine callback and the population
+    drive it; every method is called directly (an engine without a use for one makes it a no-op).
+
+    - ``bind_rank(rank, world_size, local_rank)``: the process's place in the run, once the
+      trainer has set up its processes and before the engine starts.
+    - ``wake`` / ``sleep``: around each generation phase (free memory while the trainer works).
+    - ``sync_weights(model)``: push the trainable weights now; ``ensure_synced(policy, version)``
+      pushes them unless ``version`` (optimizer steps taken) was pushed already, and
+      ``invalidate()`` forgets the pushed version (the policy's weights were swapped, e.g. for
+      another population member), so the next ``ensure_synced`` pushes.
+    - ``shutdown``: free everything at the end of the fit or on an exception.
+    """
+
+    def bind_rank(self, rank: int, world_size: int, local_rank: int) -> None: ...
 
     def sleep(self) -> None: ...
 
     def wake(self) -> None: ...
 
     def sync_weights(self, model: nn.Module) -> None: ...
+
+    def ensure_synced(self, policy: nn.Module, version: int) -> None: ...
+
+    def invalidate(self) -> None: ...
+
+    def shutdown(self) -> None: ...

@@ -63,13 +63,26 @@ class HFEngine:
         self.share_prefill = share_prefill
         self.tokenizer = tokenizer
 
-    def sleep(self) -> None:  # shares the trainer's weights: nothing to free
+    # It samples the trainer's live module: no process of its own, nothing to free or push.
+    def bind_rank(self, rank: int, world_size: int, local_rank: int) -> None:
+        pass
+
+    def sleep(self) -> None:
         pass
 
     def wake(self) -> None:
         pass
 
-    def sync_weights(self, model: nn.Module) -> None:  # samples the live module
+    def sync_weights(self, model: nn.Module) -> None:
+        pass
+
+    def ensure_synced(self, policy: nn.Module, version: int) -> None:
+        pass
+
+    def invalidate(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
         pass
 
     @torch.no_grad()

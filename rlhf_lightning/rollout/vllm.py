@@ -216,6 +216,10 @@ class VLLMEngine:
             self.sync_weights(policy)
             self.synced_version = version
 
+    def invalidate(self) -> None:
+        """Forget the pushed version: the policy's weights were swapped under the same step count."""
+        self.synced_version = None
+
     def sync_weights(self, model: Any) -> None:
         """LoRA: export the actor adapter and reload the resident slot in place. Full: push all weights."""
         self.wake()
