@@ -56,7 +56,8 @@ def play(
     env: TextEnv, row: int, policy: Policy, rng: random.Random, max_turns: int
 ) -> tuple[list[Message], list[float], list[dict[str, Any]]]:
     """One episode of ``env`` at train row ``row``, as the harness plays it (at most ``max_turns``
-    replies). Returns the dialogue (without the final observation), the rewards and infos per turn."""
+    replies). Returns the dialogue (without the final observation), the rewards and infos per turn.
+    An observation that is a message list (a tool env's tool results) joins the dialogue as it is."""
     obs, _ = env.reset(seed=row, row_index=row)
     if not isinstance(obs, str):
         raise TypeError(f"{type(env).__name__}.reset returned a message list; expected a string")
@@ -71,7 +72,7 @@ def play(
         infos.append(info)
         if terminated or truncated or len(rewards) == max_turns:
             break
-        messages.append({"role": "user", "content": str(obs)})
+        messages += obs if isinstance(obs, list) else [{"role": "user", "content": str(obs)}]
     return messages, rewards, infos
 
 
