@@ -33,12 +33,10 @@ from rlhf_lightning.algorithms.objective import (
     PolicyObjective,
     PolicyTerm,
 )
+from rlhf_lightning.algorithms.records import Advantages, Scored
+from rlhf_lightning.algorithms.scoring import Scorer
 from rlhf_lightning.envs.harness import RolloutHarness, RolloutResult
 from rlhf_lightning.envs.trajectory import TrajectoryBatch, collate
-from rlhf_lightning.losses import kl
-from rlhf_lightning.losses.corrections import offpolicy_mask, overlong_penalty
-from rlhf_lightning.losses.kl import kl_penalized_returns, kl_shaped_advantages
-from rlhf_lightning.losses.masked import masked_mean
 from rlhf_lightning.models.policy import Policy
 from rlhf_lightning.models.sharding import gathered
 from rlhf_lightning.rollout.engine import RolloutEngine, SamplingParams
@@ -109,9 +107,11 @@ class RolloutModule(RolloutEvaluation):
     # ---------------------------------------------------------------- hooks for subclasses
     def compute_advantages(
         self, traj: TrajectoryBatch, rewards: torch.Tensor, returns: torch.Tensor
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | Advantages:
         """Advantages per trajectory (B,) or per token (B, L-1) from the shaped per-turn rewards
-        (B, K) and episode returns (B,) (their sum, plus a KL penalty in ``kl_mode=reward``).
+        (B, K) and episode returns (B,) (their sum, plus a KL penalty in ``kl_mode=reward``): a
+        tensor, or an :class:`Advantages` record when there is more to pass on (a critic's
+        targets, the level the steps were taken at, diagnostics).
 
         With ``kl_mode=reward``, a family with ``per_token_kl_reward = True`` (PPO) is called
         through :meth:`advantages_with_kl_rewards` instead."""
@@ -124,7 +124,7 @@ class RolloutModule(RolloutEvaluation):
 
     def advantages_with_kl_rewards(
         self, traj: TrajectoryBatch, rewards: torch.Tensor, returns: torch.Tensor, kl_rewards: torch.Tensor
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | Advantages:
         """:meth:`compute_advantages` with per-token rewards ``kl_rewards`` (B, L-1) on top of the
         per-turn ``rewards`` (``returns`` without them); for ``per_token_kl_reward`` families."""
         raise NotImplementedError
@@ -197,10 +197,10 @@ class RolloutModule(RolloutEvaluation):
             old_logp = self.old_logprobs(traj)  # None: on-policy, the update's own log-probs (detached)
             ref_logp = self.batched_logprobs(traj, reference=True) if self.hp.beta > 0 else None
             # 3. Score: rewards -> advantages; pick the tokens that count in the loss.
-            adv, loss_mask, score_metrics = self.score(traj, old_logp, ref_logp)
-            metrics.update(score_metrics)
+            scored = self.score(traj, old_logp, ref_logp)
+            metrics.update(scored.metrics)
         # 4. Optimize: update_epochs x mini-batches, each accumulated over micro-batches.
-        metrics.update(self.update(traj, adv, loss_mask, old_logp, ref_logp))
+        metrics.update(self.update(traj, scored, old_logp, ref_logp))
         # 5. Log.
         step_s = time.perf_counter() - t_start
         metrics.update(self.rollout_metrics(traj, result))
@@ -318,65 +318,24 @@ class RolloutModule(RolloutEvaluation):
     # ---------------------------------------------------------------- scoring
     def score(
         self, traj: TrajectoryBatch, old_logp: torch.Tensor | None, ref_logp: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, Metrics]:
-        """Shaped returns -> advantages, and the loss mask (action tokens that count)."""
-        hp, metrics = self.hp, {}
-        rewards = traj.rewards.float()  # (B, K)
-        if hp.overlong_buffer:
-            # Each turn from its own length: the cap is per turn (rollout.max_new_tokens).
-            penalty = overlong_penalty(
-                traj.turn_lengths,
-                self.sampling.max_new_tokens,
-                hp.overlong_buffer,
-                hp.overlong_penalty_factor,
-            ) * (traj.turn_lengths > 0)
-            rewards = rewards + penalty
-            metrics["rollout/overlong_penalty"] = penalty.sum(-1).mean()
-        returns = rewards.sum(-1)
-        kl_tokens = None
-        if ref_logp is not None and hp.kl_mode != "loss":
-            behaviour = old_logp if old_logp is not None else traj.sampling_logps
-            kl_tokens = kl(behaviour, ref_logp, hp.kl_estimator, hp.kl_clamp) * traj.action_mask
-            metrics["actor/kl"] = masked_mean(kl_tokens, traj.action_mask)
-        if kl_tokens is not None and hp.kl_mode == "reward" and self.per_token_kl_reward:
-            kl_rewards = -hp.beta * kl_tokens.detach()  # (B, L-1), each token's own penalty
-            adv = self.advantages_with_kl_rewards(traj, rewards, returns, kl_rewards)
-        else:
-            if kl_tokens is not None and hp.kl_mode == "reward":
-                returns = kl_penalized_returns(returns, kl_tokens, traj.action_mask, hp.beta)
-            adv = self.compute_advantages(traj, rewards, returns)
-        if kl_tokens is not None and hp.kl_mode == "advantage":
-            adv = kl_shaped_advantages(adv, kl_tokens, traj.action_mask, hp.beta)
-        mask = traj.action_mask
-        if hp.mask_truncated:  # episodes with no terminal state, or with a reply cut at the length cap
-            unfinished = traj.truncated | traj.cut
-            mask = mask & ~unfinished[:, None]
-            metrics["rollout/masked_truncated_frac"] = unfinished.float().mean()
-        if old_logp is not None and (
-            hp.offpolicy_token_bounds is not None or hp.offpolicy_seq_threshold is not None
-        ):
-            bounds = tuple(hp.offpolicy_token_bounds) if hp.offpolicy_token_bounds is not None else None
-            mask, m = offpolicy_mask(
-                old_logp,
-                traj.sampling_logps,
-                mask,
-                token_bounds=bounds,
-                seq_threshold=hp.offpolicy_seq_threshold,
-            )
-            metrics.update({f"is/{k}": v for k, v in m.items()})
-        metrics["actor/adv_mean"] = adv.float().mean() if adv.dim() == 1 else masked_mean(adv, mask)
-        return adv, mask, {k: v.detach().float().cpu() for k, v in metrics.items()}
+    ) -> Scored:
+        """Shaped returns -> advantages, and the loss mask (action tokens that count): the
+        :class:`~rlhf_lightning.algorithms.scoring.Scorer` of the current hyper-parameters
+        (a population member's may differ) with this family's advantage estimator."""
+        scorer = Scorer.from_hp(self.hp, self.sampling.max_new_tokens, self.per_token_kl_reward)
+        return scorer(traj, old_logp, ref_logp, self.compute_advantages, self.advantages_with_kl_rewards)
 
     # ---------------------------------------------------------------- the update
     def update(
         self,
         traj: TrajectoryBatch,
-        adv: torch.Tensor,
-        loss_mask: torch.Tensor,
+        scored: Scored,
         old_logp: torch.Tensor | None,
         ref_logp: torch.Tensor | None,
     ) -> Metrics:
         sched = cast(LRScheduler, self.lr_schedulers())
+        adv, loss_mask = scored.adv, scored.mask
+        objective = self.objective_for(scored)
         n = len(traj)
         mini = self.mini_batch_size(n)
         lengths = self.row_lengths(traj)
@@ -396,13 +355,13 @@ class RolloutModule(RolloutEvaluation):
             for j, mb in enumerate(batches):
                 self.report_phase(f"update {epoch * minis + j + 1}/{self.hp.update_epochs * minis}")
                 # Normalisers of the whole mini-batch, global over ranks.
-                norm = self.normalisers(loss_mask[mb], mb)
+                norm = self.normalisers(loss_mask[mb], mb, scored)
                 run = mb[seq_adv[mb] != 0] if skip_zero else mb
                 mb_loss = torch.zeros((), device=self.device)
                 mb_actor = torch.zeros((), device=self.device)
                 for index, weight in self.lockstep(self.micro_chunks(run, lengths, mini)):
                     loss, m = self.micro_step(
-                        traj, adv, loss_mask, old_logp, ref_logp, index, norm, actor, weight
+                        traj, scored, old_logp, ref_logp, index, norm, objective, actor, weight
                     )
                     self.backward_(loss)
                     if not weight:
@@ -425,8 +384,9 @@ class RolloutModule(RolloutEvaluation):
         """Whether rows with zero advantage may be left out of forward/backward (same gradient)."""
         return False
 
-    def normalisers(self, mask: torch.Tensor, rows: torch.Tensor) -> dict[str, Any]:
-        """:func:`aggregate`'s denominators for a mini-batch (``mask`` = its loss mask, ``rows`` its indices).
+    def normalisers(self, mask: torch.Tensor, rows: torch.Tensor, scored: Scored) -> dict[str, Any]:
+        """:func:`aggregate`'s denominators for a mini-batch (``mask`` = its loss mask, ``rows`` its
+        indices in the ``scored`` batch).
 
         Summed over ranks, then divided by the world size to undo DDP's gradient averaging, so
         the update equals the one of the global mini-batch.
@@ -436,15 +396,19 @@ class RolloutModule(RolloutEvaluation):
             "num_seqs": self.global_count(torch.tensor(float(mask.shape[0]), device=mask.device)),
         }
 
+    def objective_for(self, scored: Scored) -> Objective:
+        """The micro-batch loss for this scored batch (PPO picks its ratio level from it)."""
+        return self.current_objective()
+
     def micro_step(
         self,
         traj: TrajectoryBatch,
-        adv: torch.Tensor,
-        loss_mask: torch.Tensor,
+        scored: Scored,
         old_logp: torch.Tensor | None,
         ref_logp: torch.Tensor | None,
         index: torch.Tensor,
         norm: dict[str, Any],
+        objective: Objective,
         actor: bool = True,
         weight: float = 1.0,
     ) -> tuple[torch.Tensor, Metrics]:
@@ -452,19 +416,19 @@ class RolloutModule(RolloutEvaluation):
         ``weight`` (0 for FSDP's padding micro-batches; a separate critic pass is scaled too)."""
         sub = traj.select(index)
         width = sub.action_mask.shape[1]
+        adv = scored.adv
         mb = MicroBatch(
             sub=sub,
             index=index,
             adv=adv[index] if adv.dim() == 1 else adv[index][:, :width],
-            mask=loss_mask[index][:, :width],
+            mask=scored.mask[index][:, :width],
             old_logp=_rows(old_logp, index, width),
             ref_logp=_rows(ref_logp, index, width) if self.hp.kl_mode == "loss" else None,
+            critic=scored.critic.rows(index, width) if scored.critic is not None else None,
         )
         if weight == 1.0:
-            return self.current_objective()(self.policy, mb, norm, self.backward_, actor)
-        loss, m = self.current_objective()(
-            self.policy, mb, norm, lambda part: self.backward_(part * weight), actor
-        )
+            return objective(self.policy, mb, norm, self.backward_, actor)
+        loss, m = objective(self.policy, mb, norm, lambda part: self.backward_(part * weight), actor)
         return loss * weight, m
 
     @property

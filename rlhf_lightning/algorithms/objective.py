@@ -12,6 +12,7 @@ Notation:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -20,6 +21,7 @@ import torch
 
 from rlhf_lightning.algorithms.common import Metrics
 from rlhf_lightning.algorithms.critic import reduce_to_steps
+from rlhf_lightning.algorithms.records import CriticTargets
 from rlhf_lightning.envs.trajectory import TrajectoryBatch
 from rlhf_lightning.losses import aggregate, get_policy_loss, kl
 from rlhf_lightning.losses.corrections import truncated_importance_weights
@@ -42,6 +44,7 @@ class MicroBatch:
         mask: the tokens that count (action tokens minus masked ones). (b, T)
         old_logp: the trainer's behaviour log-probs, None when on-policy. (b, T)
         ref_logp: the reference's log-probs, None without a KL loss term. (b, T)
+        critic: the rows' value targets (a critic family), else None.
     """
 
     sub: TrajectoryBatch
@@ -50,6 +53,7 @@ class MicroBatch:
     mask: torch.Tensor
     old_logp: torch.Tensor | None
     ref_logp: torch.Tensor | None
+    critic: CriticTargets | None = None
 
 
 class Objective(Protocol):
@@ -114,37 +118,25 @@ class KLTerm:
 
 
 class CriticTerm:
-    """PPO's clipped value loss over steps, normalised by the window's step count.
-
-    :meth:`prepare` takes the rollout batch's step layout and GAE targets once per step.
-    """
+    """PPO's clipped value loss over steps, normalised by the window's step count; the targets
+    arrive with each micro-batch (``mb.critic``)."""
 
     def __init__(self, vf_coef: float, value_clip: float | None, reduction: str, separate_pass: bool) -> None:
         self.vf_coef, self.value_clip, self.reduction = vf_coef, value_clip, reduction
         self.separate_pass = separate_pass
 
-    def prepare(
-        self,
-        steps_idx: torch.Tensor,
-        old_step_values: torch.Tensor,
-        step_returns: torch.Tensor,
-        step_mask: torch.Tensor,
-    ) -> None:
-        """Shapes: steps_idx (B, L-1); old_step_values, step_returns, step_mask (B, S)."""
-        self.steps_idx, self.old_step_values = steps_idx, old_step_values
-        self.step_returns, self.step_mask = step_returns, step_mask
-
     def __call__(
         self, policy: Policy, mb: MicroBatch, norm: dict[str, Any], backward: Backward, actor: bool = True
     ) -> tuple[torch.Tensor, Metrics]:
+        if mb.critic is None:
+            raise RuntimeError("the critic term needs the micro-batch's value targets (mb.critic)")
+        t = mb.critic
         values = policy.forward_heads(mb.sub, ("value",))["value"]  # (b, T)
-        steps = self.step_returns.shape[1]
-        idx = self.steps_idx[mb.index][:, : values.shape[1]]
-        step_v = reduce_to_steps(values, idx, steps, self.reduction)  # (b, S)
-        mask = self.step_mask[mb.index]
-        per_step, m = clipped_value_loss(
-            step_v, self.old_step_values[mb.index], self.step_returns[mb.index], mask, self.value_clip
+        step_v = reduce_to_steps(
+            values, t.steps_idx[:, : values.shape[1]], t.returns.shape[1], self.reduction
         )
+        mask = t.step_mask  # (b, S)
+        per_step, m = clipped_value_loss(step_v, t.old_values, t.returns, mask, self.value_clip)
         loss = self.vf_coef * (per_step * mask).sum() / norm["num_steps"]
         metrics = {
             "critic/value_loss": ((per_step * mask).sum() / mask.sum().clamp(min=1)).detach(),
@@ -185,6 +177,12 @@ class PolicyObjective:
         self.term, self.agg_mode, self.max_len = term, agg_mode, max_len
         self.temperature, self.chunk_rows = temperature, chunk_rows
         self.kl_term, self.entropy_coef, self.tis_cap, self.critic = kl_term, entropy_coef, tis_cap, critic
+
+    def with_term(self, term: PolicyTerm) -> PolicyObjective:
+        """The same objective with another policy-gradient term."""
+        other = copy.copy(self)
+        other.term = term
+        return other
 
     def __call__(
         self, policy: Policy, mb: MicroBatch, norm: dict[str, Any], backward: Backward, actor: bool = True

@@ -19,7 +19,8 @@ from rlhf_lightning.algorithms.critic import (
     token_sums_to_steps,
 )
 from rlhf_lightning.algorithms.diagnostics import per_turn_means
-from rlhf_lightning.algorithms.objective import CriticTerm, PolicyObjective, PolicyTerm
+from rlhf_lightning.algorithms.objective import CriticTerm, Objective, PolicyObjective, PolicyTerm
+from rlhf_lightning.algorithms.records import Advantages, CriticTargets, Scored
 from rlhf_lightning.algorithms.spec import AlgorithmSpec, register_algorithm
 from rlhf_lightning.config import PPOConfig
 from rlhf_lightning.envs.trajectory import TrajectoryBatch
@@ -42,7 +43,9 @@ class PPOModule(RolloutModule):
     ``critic_warmup_steps`` training steps update the critic only, on Monte-Carlo returns.
     """
 
-    learn_steps = 0
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.learn_steps = 0  # training steps taken (the critic warm-up counts them)
 
     # ---------------------------------------------------------------- advantages
     def granularity(self, traj: TrajectoryBatch) -> str:
@@ -57,7 +60,7 @@ class PPOModule(RolloutModule):
 
     def compute_advantages(
         self, traj: TrajectoryBatch, rewards: torch.Tensor, returns: torch.Tensor
-    ) -> torch.Tensor:
+    ) -> Advantages:
         return self.advantages_with_kl_rewards(traj, rewards, returns, None)
 
     def advantages_with_kl_rewards(
@@ -66,15 +69,15 @@ class PPOModule(RolloutModule):
         rewards: torch.Tensor,
         returns: torch.Tensor,
         kl_rewards: torch.Tensor | None,
-    ) -> torch.Tensor:
+    ) -> Advantages:
+        """GAE over the batch's steps (turns or tokens), with the critic's targets for the update."""
         hp = self.hp
-        self.levels = self.granularity(traj)
-        self.select_policy_term()
-        steps_idx, steps = step_index(traj.action_mask, traj.turn_ids, self.levels)
+        level = self.granularity(traj)
+        steps_idx, steps = step_index(traj.action_mask, traj.turn_ids, level)
         old_values, boot = self.values_and_bootstrap(traj)  # (B, T), (B,); no gradient
         old_step_v = reduce_to_steps(old_values, steps_idx, steps, hp.turn_value_reduction)
         step_r = step_rewards(
-            rewards, steps_idx, steps, self.levels, extra=returns - rewards.sum(-1), turn_ids=traj.turn_ids
+            rewards, steps_idx, steps, level, extra=returns - rewards.sum(-1), turn_ids=traj.turn_ids
         )
         if kl_rewards is not None:  # each step gets the KL penalty of its own tokens
             step_r = step_r + token_sums_to_steps(kl_rewards, steps_idx, steps)
@@ -84,21 +87,21 @@ class PPOModule(RolloutModule):
         adv, step_returns = get_advantage_estimator("gae")(
             step_r, old_step_v, step_mask, gamma=hp.gamma, lam=lam, bootstrap=bootstrap
         )
-        assert self.critic is not None
-        self.critic.prepare(steps_idx, old_step_v, step_returns, step_mask)
-        self.rollout_extra = {
+        targets = CriticTargets(steps_idx, old_step_v, step_returns, step_mask)
+        metrics = {
             "critic/explained_variance": explained_variance(old_step_v, step_returns, step_mask),
             "critic/value_mean": old_step_v[step_mask].mean(),
         }
-        if self.levels == "turn":  # where credit goes across turns (before whitening)
-            self.rollout_extra.update(per_turn_means(old_step_v, step_mask, "critic/value_turn"))
-            self.rollout_extra.update(per_turn_means(adv, step_mask, "critic/adv_turn"))
+        if level == "turn":  # where credit goes across turns (before whitening)
+            metrics.update(per_turn_means(old_step_v, step_mask, "critic/value_turn"))
+            metrics.update(per_turn_means(adv, step_mask, "critic/adv_turn"))
         if hp.whiten_advantages:  # over every rank's steps
             steps_all, offset = gather_rows(adv[step_mask], self.world_size, self.rank)
             white = postprocess_advantages(steps_all, whiten=True)
             adv = adv.masked_scatter(step_mask, white[offset : offset + int(step_mask.sum())])
         # Each action token takes its step's advantage.
-        return adv.gather(1, steps_idx.clamp(min=0)) * traj.action_mask
+        tokens = adv.gather(1, steps_idx.clamp(min=0)) * traj.action_mask
+        return Advantages(tokens, critic=targets, level=level, metrics=metrics)
 
     @torch.no_grad()
     def values_and_bootstrap(self, traj: TrajectoryBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,11 +131,6 @@ class PPOModule(RolloutModule):
             boot[index] = v[torch.arange(len(index), device=v.device), last]
         return values, boot
 
-    def score(self, traj: TrajectoryBatch, old_logp: torch.Tensor | None, ref_logp: torch.Tensor | None):
-        adv, mask, metrics = super().score(traj, old_logp, ref_logp)
-        metrics.update({k: v.detach().float().cpu() for k, v in self.rollout_extra.items()})
-        return adv, mask, metrics
-
     # ---------------------------------------------------------------- the objective
     def policy_term(self) -> PolicyTerm:
         """Per-token PPO-clip, or GSPO's pooled ratio per turn / trajectory (``importance_sampling_level``)."""
@@ -142,30 +140,28 @@ class PPOModule(RolloutModule):
         hp = self.hp
         return CriticTerm(hp.vf_coef, hp.value_clip, hp.turn_value_reduction, not hp.fuse_actor_critic_pass)
 
-    @property
-    def critic(self) -> CriticTerm | None:
-        return getattr(self.current_objective(), "critic", None)
-
     def entropy_coef(self) -> float:
         return self.hp.entropy_coef
 
-    def select_policy_term(self) -> None:
-        """The ratio's level follows the batch's granularity when ``importance_sampling_level=auto``."""
+    def objective_for(self, scored: Scored) -> Objective:
+        """The ratio's level follows the batch's granularity when ``importance_sampling_level=auto``:
+        per token (PPO-clip), or pooled per turn / trajectory (GSPO's sequence ratio)."""
         level = self.hp.importance_sampling_level
         if level == "auto":
-            level = "turn" if self.levels == "turn" else "token"
+            level = "turn" if scored.level == "turn" else "token"
         name = "ppo_clip" if level == "token" else "gspo"
         objective = self.current_objective()
         if isinstance(objective, PolicyObjective) and objective.term.name != name:
-            objective.term = PolicyTerm.bind(name, self.hp, per_turn=level == "turn")
+            return objective.with_term(PolicyTerm.bind(name, self.hp, per_turn=level == "turn"))
+        return objective
 
     def actor_loss_enabled(self) -> bool:
         return not self.warming_up
 
-    def normalisers(self, mask: torch.Tensor, rows: torch.Tensor) -> dict[str, Any]:
-        norm = super().normalisers(mask, rows)
-        assert self.critic is not None
-        norm["num_steps"] = self.global_count(self.critic.step_mask[rows].sum().float()).clamp(min=1.0)
+    def normalisers(self, mask: torch.Tensor, rows: torch.Tensor, scored: Scored) -> dict[str, Any]:
+        norm = super().normalisers(mask, rows, scored)
+        assert scored.critic is not None  # compute_advantages always returns the targets
+        norm["num_steps"] = self.global_count(scored.critic.step_mask[rows].sum().float()).clamp(min=1.0)
         return norm
 
     def clip_gradients_(self, optimizer: Any) -> Metrics:

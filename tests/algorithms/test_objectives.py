@@ -78,9 +78,9 @@ def test_dynamic_sampling_refills_the_batch_with_informative_groups(tmp_path):
     def hook(module):
         original = module.update
 
-        def spy(traj, adv, *args):
-            seen.append((traj.group_ids.clone(), adv.clone()))
-            return original(traj, adv, *args)
+        def spy(traj, scored, *args):
+            seen.append((traj.group_ids.clone(), scored.adv.clone()))
+            return original(traj, scored, *args)
 
         module.update = spy
 

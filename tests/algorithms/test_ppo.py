@@ -17,6 +17,22 @@ def ppo_cfg(tmp_path, *extra):
     )
 
 
+def record_levels(levels: list):
+    """A ``fit_steps`` hook that records each step's ``Scored.level`` (turn | token)."""
+
+    def hook(module):
+        original = module.score
+
+        def spy(*args):
+            scored = original(*args)
+            levels.append(scored.level)
+            return scored
+
+        module.score = spy
+
+    return hook
+
+
 def test_critic_warmup_leaves_the_actor_bit_identical(tmp_path):
     cfg = ppo_cfg(tmp_path, "algo.critic_warmup_steps=3", "algo.lr=1e-2", "algo.lr_critic=1e-2")
     start: dict[str, list[torch.Tensor]] = {}
@@ -56,11 +72,12 @@ def test_ppo_multi_turn_guess_number_runs(tmp_path):
         ],
         output_dir=tmp_path / "run",
     )
-    module, trainer = fit_steps(cfg, tmp_path, steps=2)
+    levels: list = []
+    _, trainer = fit_steps(cfg, tmp_path, steps=2, module_hook=record_levels(levels))
     m = trainer.callback_metrics
     for key in ("critic/value_loss", "critic/explained_variance", "critic/value_mean", "actor/clipfrac"):
         assert key in m, key
-    assert module.levels == "turn"
+    assert levels == ["turn", "turn"]  # the steps GAE ran over, as scoring recorded them
     # turn-level diagnostics: one value/advantage/reward mean per turn reached
     turns = [k for k in ("critic/value_turn_0", "critic/adv_turn_0", "rollout/reward_turn_0") if k in m]
     assert len(turns) == 3 and "rollout/env_ended_frac" in m
@@ -83,9 +100,10 @@ def test_ppo_token_level_gae_runs_on_multi_turn_episodes(tmp_path):
         ],
         output_dir=tmp_path / "run",
     )
-    module, trainer = fit_steps(cfg, tmp_path, steps=2)
+    levels: list = []
+    _, trainer = fit_steps(cfg, tmp_path, steps=2, module_hook=record_levels(levels))
     m = trainer.callback_metrics
-    assert module.levels == "token" and float(m["rollout/num_turns"]) >= 2
+    assert levels == ["token", "token"] and float(m["rollout/num_turns"]) >= 2
     assert torch.isfinite(m["critic/value_loss"]) and torch.isfinite(m["actor/loss"])
     assert "critic/value_turn_0" not in m  # per-turn values are a turn-level diagnostic
 

@@ -71,7 +71,7 @@ def test_perfect_critic_state_value_is_the_baseline():
     expected = {"state": (0.7, -0.3), "mean": (0.35, -0.15), "final_value": (0.0, 0.0)}
     for reduction, (a0, a1) in expected.items():
         m = module(table, turn_value_reduction=reduction)
-        adv = m.compute_advantages(batch, rewards, rewards.sum(-1))
+        adv = m.compute_advantages(batch, rewards, rewards.sum(-1)).tokens
         torch.testing.assert_close(adv[0, 1:3], torch.tensor([a0, a0]), atol=1e-6, rtol=0)
         torch.testing.assert_close(adv[1, 1:3], torch.tensor([a1, a1]), atol=1e-6, rtol=0)
     assert PPOConfig().turn_value_reduction == "state"
@@ -86,7 +86,8 @@ def test_single_turn_bootstraps_only_when_truncated(truncated):
     table = torch.tensor([[0.0, 0.3, 0.8, 0.5, 9.0]])  # column 3: after the last token (bootstrap)
     m = module(table, gamma=1.0, gae_lambda=1.0)
     rewards = batch.rewards.float()
-    adv = m.compute_advantages(batch, rewards, rewards.sum(-1))
+    found = m.compute_advantages(batch, rewards, rewards.sum(-1))
+    adv = found.tokens
     want = 0.0 + (0.5 if truncated else 0.0) - 0.3
     torch.testing.assert_close(adv[0, 1:3], torch.tensor([want, want]), atol=1e-6, rtol=0)
 
@@ -121,11 +122,12 @@ def test_a_cut_reply_the_env_scored_is_terminal(tiny_tokenizer, reward):
     table[0, p - 1], table[0, p], table[0, p + 1] = 0.3, 0.6, 0.9
     m = module(table, gamma=1.0, gae_lambda=1.0, advantage_granularity="token")
     rewards = batch.rewards.float()
-    adv = m.compute_advantages(batch, rewards, rewards.sum(-1))
+    found = m.compute_advantages(batch, rewards, rewards.sum(-1))
+    adv = found.tokens
     # token-level GAE with lambda = gamma = 1 and V_end = 0: A_t = r - V(s_t)
     torch.testing.assert_close(adv[0, p - 1 : p + 1], torch.tensor([reward - 0.3, reward - 0.6]))
-    assert m.critic is not None
-    targets = m.critic.step_returns[0, :2]  # the critic's targets: the return r itself
+    assert found.critic is not None
+    targets = found.critic.returns[0, :2]  # the critic's targets: the return r itself
     torch.testing.assert_close(targets, torch.tensor([reward, reward]))
 
 
@@ -140,7 +142,8 @@ def test_two_turns_gae_by_hand(truncated):
     gamma, lam = 0.9, 0.8
     m = module(table, gamma=gamma, gae_lambda=lam)
     rewards = batch.rewards.float()
-    adv = m.compute_advantages(batch, rewards, rewards.sum(-1))
+    found = m.compute_advantages(batch, rewards, rewards.sum(-1))
+    adv = found.tokens
     boot = vb if truncated else 0.0
     d1 = 1.0 + gamma * boot - v1
     d0 = 0.2 + gamma * v1 - v0
@@ -187,7 +190,7 @@ def test_kl_in_reward_is_each_tokens_own_reward(granularity):
         table, beta=beta, kl_mode="reward", kl_estimator="k1", kl_clamp=None, gamma=gamma, gae_lambda=lam,
         advantage_granularity=granularity,
     )  # fmt: skip
-    adv, _, _ = m.score(batch, old, ref)
+    adv = m.score(batch, old, ref).adv
     kl_t = [o - r for o, r in zip(old[0, 1:].double().tolist(), ref[0, 1:].double().tolist())]  # k1
     if granularity == "token":
         r = [-beta * k for k in kl_t]

@@ -86,7 +86,8 @@ def test_overlong_penalty_applies_to_each_turn_from_its_own_length():
     )
     batch = collate([t, t], pad_token_id=0)
     m = _module(overlong_buffer=32, overlong_penalty_factor=1.0)
-    adv, _, metrics = m.score(batch, None, None)
+    scored = m.score(batch, None, None)
+    adv, metrics = scored.adv, scored.metrics
     torch.testing.assert_close(m.seen[0], torch.tensor([-0.125, -0.125, 0.875]))
     torch.testing.assert_close(adv, torch.tensor([1.0 - 0.375, 1.0 - 0.375]))
     torch.testing.assert_close(metrics["rollout/overlong_penalty"], torch.tensor(-0.375))
@@ -112,7 +113,8 @@ def test_mask_truncated_drops_cut_and_unfinished_episodes_from_the_loss():
 
     # cut and scored by the env; ended by the turn limit; finished
     batch = collate([traj("length", False), traj("stop", True), traj("stop", False)], pad_token_id=0)
-    _, mask, metrics = _module(mask_truncated=True).score(batch, None, None)
+    scored = _module(mask_truncated=True).score(batch, None, None)
+    mask, metrics = scored.mask, scored.metrics
     assert not mask[0].any() and not mask[1].any() and mask[2].sum() == 2
     assert metrics["rollout/masked_truncated_frac"] == pytest.approx(2 / 3)
 

@@ -1,0 +1,78 @@
+"""The records one training step hands from stage to stage: what ``compute_advantages`` found
+(advantages, and a critic's targets) and what scoring decided (advantages, the loss mask, the
+metrics). Every stage takes them as arguments; no stage leaves state on the module or the
+objective for a later one to read.
+
+Notation:
+    B: trajectories in the rollout batch, T: token positions (L-1), S: steps (turns or tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+Metrics = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class CriticTargets:
+    """What a critic trains on for one rollout batch (PPO's value loss).
+
+    Shapes:
+        steps_idx: each action token's step, -1 elsewhere. (B, T)
+        old_values: the critic's step values before the update. (B, S)
+        returns: the GAE value targets. (B, S)
+        step_mask: which steps exist. (B, S)
+    """
+
+    steps_idx: torch.Tensor
+    old_values: torch.Tensor
+    returns: torch.Tensor
+    step_mask: torch.Tensor
+
+    def rows(self, index: torch.Tensor, width: int) -> CriticTargets:
+        """The targets of rows ``index``, token columns trimmed to ``width``. Shapes: (b, ...)"""
+        return CriticTargets(
+            self.steps_idx[index][:, :width],
+            self.old_values[index],
+            self.returns[index],
+            self.step_mask[index],
+        )
+
+
+@dataclass(frozen=True)
+class Advantages:
+    """What ``compute_advantages`` returns.
+
+    Args:
+        tokens: per trajectory (B,) or per token (B, T).
+        critic: a critic family's value targets, else None.
+        level: the steps the advantages were computed over (``turn`` | ``token``), where the
+            family's objective depends on it (PPO's ratio level), else None.
+        metrics: diagnostics of the computation (logged with the rollout's).
+    """
+
+    tokens: torch.Tensor
+    critic: CriticTargets | None = None
+    level: str | None = None
+    metrics: Metrics = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One rollout batch, scored: what the update trains on.
+
+    Args:
+        adv: shaped advantages, per trajectory (B,) or per token (B, T).
+        mask: the action tokens that count in the loss. (B, T)
+        metrics: scoring metrics (detached, on the CPU).
+        critic, level: as in :class:`Advantages`.
+    """
+
+    adv: torch.Tensor
+    mask: torch.Tensor
+    metrics: Metrics
+    critic: CriticTargets | None = None
+    level: str | None = None

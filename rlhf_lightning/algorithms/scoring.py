@@ -1,0 +1,139 @@
+"""Scoring one rollout batch: shaped rewards -> advantages -> the tokens that count in the loss.
+
+Every way a reward is shaped before the update lives here once: DAPO's soft overlong penalty,
+the KL to the reference outside the loss (``kl_mode=reward``: in the returns, or per token for a
+family whose advantages take per-token rewards; ``kl_mode=advantage``: per-token shaping of the
+advantages), masking of unfinished episodes, and the off-policy masks. The family contributes
+only its advantage estimator.
+
+Notation:
+    B: trajectories, K: turns, T: token positions (L-1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlhf_lightning.algorithms.records import Advantages, Metrics, Scored
+from rlhf_lightning.envs.trajectory import TrajectoryBatch
+from rlhf_lightning.losses import kl
+from rlhf_lightning.losses.corrections import offpolicy_mask, overlong_penalty
+from rlhf_lightning.losses.kl import kl_penalized_returns, kl_shaped_advantages
+from rlhf_lightning.losses.masked import masked_mean
+
+# (batch, per-turn rewards (B, K), returns (B,)) -> advantages
+AdvantageFn = Callable[[TrajectoryBatch, torch.Tensor, torch.Tensor], "torch.Tensor | Advantages"]
+# the same with per-token KL rewards (B, T) on top
+AdvantageWithKLFn = Callable[
+    [TrajectoryBatch, torch.Tensor, torch.Tensor, torch.Tensor], "torch.Tensor | Advantages"
+]
+
+
+def as_advantages(found: torch.Tensor | Advantages) -> Advantages:
+    """An advantage estimator's result as a record (a bare tensor is the advantages alone)."""
+    return found if isinstance(found, Advantages) else Advantages(found)
+
+
+@dataclass(frozen=True)
+class Scorer:
+    """The scoring settings, as plain values (bound from the algorithm config at the module).
+
+    Args:
+        max_new_tokens: the per-turn length cap (the overlong penalty's reference).
+        overlong_buffer, overlong_penalty_factor: DAPO's soft overlong penalty (None: off).
+        beta, kl_mode, kl_estimator, kl_clamp: the KL to the reference; scored here unless
+            ``kl_mode=loss`` (the objective's KL term) or ``beta == 0``.
+        per_token_kl_reward: ``kl_mode=reward`` reaches the family's advantages per token.
+        mask_truncated: drop unfinished (truncated or cut) episodes from the loss.
+        offpolicy_token_bounds, offpolicy_seq_threshold: trainer/engine off-policy masks.
+    """
+
+    max_new_tokens: int
+    overlong_buffer: int | None = None
+    overlong_penalty_factor: float = 1.0
+    beta: float = 0.0
+    kl_mode: str = "loss"
+    kl_estimator: str = "k3"
+    kl_clamp: float | None = 10.0
+    per_token_kl_reward: bool = False
+    mask_truncated: bool = False
+    offpolicy_token_bounds: tuple[float, float] | None = None
+    offpolicy_seq_threshold: float | None = None
+
+    @classmethod
+    def from_hp(cls, hp: Any, max_new_tokens: int, per_token_kl_reward: bool) -> Scorer:
+        """The scorer of an algorithm config (the module boundary: nothing below sees ``hp``)."""
+        bounds = hp.offpolicy_token_bounds
+        return cls(
+            max_new_tokens=max_new_tokens,
+            overlong_buffer=hp.overlong_buffer,
+            overlong_penalty_factor=hp.overlong_penalty_factor,
+            beta=hp.beta,
+            kl_mode=hp.kl_mode,
+            kl_estimator=hp.kl_estimator,
+            kl_clamp=hp.kl_clamp,
+            per_token_kl_reward=per_token_kl_reward,
+            mask_truncated=hp.mask_truncated,
+            offpolicy_token_bounds=(float(bounds[0]), float(bounds[1])) if bounds is not None else None,
+            offpolicy_seq_threshold=hp.offpolicy_seq_threshold,
+        )
+
+    def __call__(
+        self,
+        traj: TrajectoryBatch,
+        old_logp: torch.Tensor | None,
+        ref_logp: torch.Tensor | None,
+        advantages: AdvantageFn,
+        advantages_with_kl: AdvantageWithKLFn,
+    ) -> Scored:
+        """Score ``traj``: ``old_logp`` (B, T) the trainer's behaviour log-probs (None:
+        on-policy), ``ref_logp`` (B, T) the reference's (None without a KL)."""
+        metrics: Metrics = {}
+        rewards = traj.rewards.float()  # (B, K)
+        if self.overlong_buffer:
+            # Each turn from its own length: the cap is per turn (rollout.max_new_tokens).
+            penalty = overlong_penalty(
+                traj.turn_lengths, self.max_new_tokens, self.overlong_buffer, self.overlong_penalty_factor
+            ) * (traj.turn_lengths > 0)
+            rewards = rewards + penalty
+            metrics["rollout/overlong_penalty"] = penalty.sum(-1).mean()
+        returns = rewards.sum(-1)
+        kl_tokens = None
+        if ref_logp is not None and self.kl_mode != "loss":
+            behaviour = old_logp if old_logp is not None else traj.sampling_logps
+            kl_tokens = kl(behaviour, ref_logp, self.kl_estimator, self.kl_clamp) * traj.action_mask
+            metrics["actor/kl"] = masked_mean(kl_tokens, traj.action_mask)
+        if kl_tokens is not None and self.kl_mode == "reward" and self.per_token_kl_reward:
+            kl_rewards = -self.beta * kl_tokens.detach()  # (B, T), each token's own penalty
+            found = as_advantages(advantages_with_kl(traj, rewards, returns, kl_rewards))
+        else:
+            if kl_tokens is not None and self.kl_mode == "reward":
+                returns = kl_penalized_returns(returns, kl_tokens, traj.action_mask, self.beta)
+            found = as_advantages(advantages(traj, rewards, returns))
+        adv = found.tokens
+        metrics.update(found.metrics)
+        if kl_tokens is not None and self.kl_mode == "advantage":
+            adv = kl_shaped_advantages(adv, kl_tokens, traj.action_mask, self.beta)
+        mask = traj.action_mask
+        if self.mask_truncated:  # episodes with no terminal state, or with a reply cut at the length cap
+            unfinished = traj.truncated | traj.cut
+            mask = mask & ~unfinished[:, None]
+            metrics["rollout/masked_truncated_frac"] = unfinished.float().mean()
+        if old_logp is not None and (
+            self.offpolicy_token_bounds is not None or self.offpolicy_seq_threshold is not None
+        ):
+            mask, m = offpolicy_mask(
+                old_logp,
+                traj.sampling_logps,
+                mask,
+                token_bounds=self.offpolicy_token_bounds,
+                seq_threshold=self.offpolicy_seq_threshold,
+            )
+            metrics.update({f"is/{k}": v for k, v in m.items()})
+        metrics["actor/adv_mean"] = adv.float().mean() if adv.dim() == 1 else masked_mean(adv, mask)
+        out = {k: v.detach().float().cpu() for k, v in metrics.items()}
+        return Scored(adv, mask, out, critic=found.critic, level=found.level)
