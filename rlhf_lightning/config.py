@@ -76,8 +76,9 @@ class OptimConfig:
 class RolloutAlgoConfig(OptimConfig):
     """What every rollout algorithm shares: clipping, KL, corrections, batch geometry."""
 
-    # Clipped surrogate bounds (the ratio is clipped to [1 - clip_low, 1 + clip_high]).
+    # token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm (losses/aggregate.py)
     loss_agg_mode: str = "token_mean"
+    # Clipped surrogate bounds (the ratio is clipped to [1 - clip_low, 1 + clip_high]).
     # auto: the loss's own (ppo_clip 0.2 / 0.2, cispo none / 4.0, gspo 3e-4 / 4e-4; see
     # algorithms/checks.py resolve_clip_defaults); a number; or null for no bound.
     clip_low: Any = "auto"
@@ -365,7 +366,7 @@ class PopulationConfig:
     # Training steps (all members together) between evolutions; default 50 x size; 0: never.
     evolve_every: int | None = None
     # accuracy_sampled | accuracy_greedy | return_sampled | return_greedy. Greedy fitness on short
-    # horizons selected ever smaller learning rates (README, "Population training").
+    # horizons selected ever smaller learning rates (docs/guides/sweeps-population.md, "Population training").
     fitness: str = "accuracy_sampled"
     eval_rows: int = 100  # held-out rows each member is scored on
     tournament_size: int = 2
@@ -395,6 +396,9 @@ class Config:
     guard: GuardConfig = field(default_factory=GuardConfig)
     progress: ProgressConfig = field(default_factory=ProgressConfig)
     population: PopulationConfig = field(default_factory=PopulationConfig)
+    # Extra Lightning callbacks: {name: {_target_: a Callback class, its keyword arguments}},
+    # instantiated after the run's own (conf/callbacks/; add with +callbacks.<name>._target_=...).
+    callbacks: dict[str, Any] = field(default_factory=dict)
     name: str = "default"  # runs land in outputs/<name>/<timestamp>
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads; None: torch's default (OMP_NUM_THREADS or all cores)

@@ -20,6 +20,7 @@ from rlhf_lightning.algorithms.checks import resolve_clip_defaults
 from rlhf_lightning.algorithms.spec import get_algorithm
 from rlhf_lightning.callbacks import AdapterExport, SameConfigOnAllRanks, SampleTable, config_digest
 from rlhf_lightning.callbacks.checkpoints import AtomicCheckpointIO, BestCheckpoint, KeepLast, StepCheckpoint
+from rlhf_lightning.callbacks.configured import configured_callbacks
 from rlhf_lightning.callbacks.guard import Guard
 from rlhf_lightning.callbacks.objective import CheckOptimizedMetric, optimized_value
 from rlhf_lightning.callbacks.progress import ProgressLog, StepProgressBar, auto_every
@@ -440,6 +441,7 @@ def _fit(
         callbacks.append(CheckOptimizedMetric(cfg.optimized_metric))
     engine_callback = RolloutEngineCallback(getattr(cfg.rollout, "offload_trainer_during_rollout", False))
     callbacks.append(engine_callback)
+    callbacks.extend(configured_callbacks(cfg.callbacks))  # the config's own, after the run's
     callbacks.extend(extra_callbacks)
     trainer_kwargs = cast(dict[str, Any], OmegaConf.to_container(cfg.trainer, resolve=True))
     single_job_argv(output_dir)  # a multirun job's other ranks run this job only

@@ -11,6 +11,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from rlhf_lightning.algorithms.checks import resolve_clip_defaults
+from rlhf_lightning.callbacks.configured import check_configured_callbacks
 from rlhf_lightning.errors import ConfigError, check, check_model_path
 from rlhf_lightning.models.kernels import QUANT_TYPES, gpu_model_problem
 from rlhf_lightning.strategies import STRATEGIES, split_global
@@ -321,6 +322,7 @@ def validate(cfg: DictConfig) -> None:
     """Check the composed config; raises :class:`ConfigError` on the first invalid value."""
     check_required(cfg)
     check_known_keys(cfg)
+    check_configured_callbacks(cfg.get("callbacks"))
     spec = typed_algo(cfg)
     resolve_clip_defaults(cfg.algo)
     validate_model(cfg.model)
