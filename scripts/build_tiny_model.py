@@ -13,7 +13,7 @@
 ``--noise p`` replaces a share ``p`` of the SFT answers by the answer with one digit wrong, so
 that a model can know more than it samples at temperature 1 (stop it with
 ``--target-metric greedy``); ``--init DIR`` continues from a built checkpoint. The shipped
-checkpoint uses neither (see the README's "The tiny model").
+checkpoint uses neither (see docs/models.md, "The tiny model").
 """
 
 from __future__ import annotations
