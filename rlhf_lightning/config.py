@@ -126,6 +126,10 @@ class GRPOConfig(RolloutAlgoConfig):
     # Objective: a name in rlhf_lightning.losses.POLICY_LOSSES (its hyper-parameters are bound
     # explicitly by the loss's own params class).
     loss: str = "ppo_clip"
+    # Keyword arguments of the loss's params class on top of the shared fields: the
+    # hyper-parameters of a loss defined outside the package (algo.loss=my_pkg.losses.my_loss
+    # +algo.loss_kwargs.alpha=0.5); each key must be a field of that class.
+    loss_kwargs: dict[str, Any] = field(default_factory=dict)
     is_level: str = "sequence"  # gspo: pool the ratio per sequence | turn
     # Advantages: a group estimator in rlhf_lightning.losses.ADVANTAGE_ESTIMATORS.
     advantage: str = "grpo"

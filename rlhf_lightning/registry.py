@@ -1,7 +1,13 @@
-"""A name -> function registry: raises on duplicates, lists valid names on a miss."""
+"""A name -> function registry: raises on duplicates, lists valid names on a miss.
+
+A dotted name (``my_pkg.losses.scaled_pg``) imports its module (``my_pkg.losses``), which
+registers the entry under its last part (``scaled_pg``); the dotted name is then an alias of it.
+So an objective or estimator defined outside the package is selected from the command line.
+"""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
@@ -35,18 +41,35 @@ class Registry(Generic[F]):
         self.get(name)
         return self._meta[name]
 
+    def _load(self, name: str) -> None:
+        """Import a dotted name's module and alias the entry it registers (see the module doc)."""
+        if name in self._entries or not isinstance(name, str) or "." not in name:
+            return
+        module, last = name.rsplit(".", 1)
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            return  # get() names the miss
+        if last in self._entries:
+            self._entries[name], self._meta[name] = self._entries[last], self._meta[last]
+
     def get(self, name: str) -> F:
+        self._load(name)
         try:
             return self._entries[name]
         except KeyError:
             raise KeyError(
-                f"unknown {self.kind} {name!r}; valid names: {', '.join(sorted(self._entries))}"
+                f"unknown {self.kind} {name!r}; valid names: {', '.join(self.names())}, or the dotted "
+                "path of one a module registers (my_pkg.module.name)"
             ) from None
 
     def names(self) -> list[str]:
-        return sorted(self._entries)
+        """The registered names (dotted aliases left out)."""
+        return sorted(n for n in self._entries if "." not in n)
 
     def __contains__(self, name: object) -> bool:
+        if isinstance(name, str):
+            self._load(name)
         return name in self._entries
 
     def __iter__(self) -> Iterator[str]:

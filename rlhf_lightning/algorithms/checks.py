@@ -232,7 +232,21 @@ def validate_rollout_algo(a: DictConfig, cfg: DictConfig) -> None:
 
 def validate_grpo(a: DictConfig, cfg: DictConfig) -> None:
     validate_rollout_algo(a, cfg)
-    check(a.loss in POLICY_LOSSES, "algo.loss", a.loss, f"one of {', '.join(POLICY_LOSSES.names())}")
+    check(
+        a.loss in POLICY_LOSSES,
+        "algo.loss",
+        a.loss,
+        f"one of {', '.join(POLICY_LOSSES.names())}, or the dotted path of a loss a module registers",
+    )
+    params = POLICY_LOSSES.meta(a.loss)["params"]
+    known = {f.name for f in dataclasses.fields(params)}
+    for key in a.get("loss_kwargs") or {}:
+        check(
+            key in known,
+            f"algo.loss_kwargs.{key}",
+            a.loss_kwargs[key],
+            f"a field of {params.__name__}, the params of algo.loss={a.loss} ({', '.join(sorted(known)) or 'none'})",
+        )
     outcome = [
         n for n in ADVANTAGE_ESTIMATORS.names() if ADVANTAGE_ESTIMATORS.meta(n).get("kind") == "outcome"
     ]

@@ -79,8 +79,14 @@ class PolicyTerm:
 
     @classmethod
     def bind(cls, name: str, hp: Any, per_turn: bool = False) -> PolicyTerm:
+        """The loss ``name`` with its params class bound from ``hp`` (a class without ``bind``,
+        e.g. a loss defined outside the package, starts from its defaults), then
+        ``hp.loss_kwargs`` on top (checked at start-up against the class's fields)."""
         meta = POLICY_LOSSES.meta(name)
-        return cls(name, loss_kwargs(meta["params"].bind(hp)), per_turn and meta.get("takes_turn_ids", False))
+        params = meta["params"]
+        bound = params.bind(hp) if hasattr(params, "bind") else params()
+        kwargs = {**loss_kwargs(bound), **dict(getattr(hp, "loss_kwargs", None) or {})}
+        return cls(name, kwargs, per_turn and meta.get("takes_turn_ids", False))
 
     def __call__(
         self,

@@ -1,0 +1,87 @@
+"""A policy loss with its own hyper-parameter is one file outside the package: the module
+registers the loss with its params class; ``algo.loss=<module>.<name>`` imports it and
+``algo.loss_kwargs`` sets the hyper-parameter. It trains, and a bad key is named at start-up."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from rlhf_lightning.errors import ConfigError
+from rlhf_lightning.losses.policy import POLICY_LOSSES
+from rlhf_lightning.validation import validate
+from tests.conftest import FAST, compose_config, fit_steps
+
+MODULE = "my_losses_for_test"
+LOSS_FILE = textwrap.dedent(
+    '''
+    """A user's loss: REINFORCE scaled by its own hyper-parameter."""
+    from dataclasses import dataclass
+
+    import torch
+
+    from rlhf_lightning.losses.policy import POLICY_LOSSES
+
+    SEEN = []  # the scale every call received
+
+
+    @dataclass(frozen=True)
+    class ScaledParams:
+        scale: float = 1.0
+
+
+    @POLICY_LOSSES.register("scaled_pg", params=ScaledParams, uses_ratio=False)
+    def scaled_pg(logp, old_logp, advantages, mask, *, scale=1.0):
+        SEEN.append(scale)
+        adv = advantages[:, None] if advantages.dim() == 1 else advantages
+        return -scale * adv * logp, {}
+    '''
+)
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    (tmp_path / f"{MODULE}.py").write_text(LOSS_FILE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield
+    sys.modules.pop(MODULE, None)
+    for name in ("scaled_pg", f"{MODULE}.scaled_pg"):  # the registry is global: leave it as it was
+        POLICY_LOSSES._entries.pop(name, None)
+        POLICY_LOSSES._meta.pop(name, None)
+
+
+def test_a_loss_from_outside_the_package_trains_with_its_own_hyper_parameter(tmp_path, user_module):
+    cfg = compose_config(
+        [*FAST, f"algo.loss={MODULE}.scaled_pg", "+algo.loss_kwargs.scale=0.5", "samples.every_n_steps=0"],
+        output_dir=tmp_path / "run",
+    )
+    validate(cfg)
+    initial: dict[str, torch.Tensor] = {}
+
+    def hook(module):
+        initial.update(
+            {n: p.detach().clone() for n, p in module.policy.named_parameters() if p.requires_grad}
+        )
+
+    module, trainer = fit_steps(cfg, tmp_path, steps=2, module_hook=hook)
+    seen = sys.modules[MODULE].SEEN
+    assert trainer.global_step == 2 and seen and set(seen) == {0.5}
+    moved = [
+        n for n, p in module.policy.named_parameters() if n in initial and not torch.equal(p, initial[n])
+    ]
+    assert moved
+
+
+def test_an_unknown_hyper_parameter_is_named(user_module):
+    with pytest.raises(ConfigError) as err:
+        validate(compose_config([f"algo.loss={MODULE}.scaled_pg", "+algo.loss_kwargs.alpha=2"]))
+    assert str(err.value).startswith("invalid config: algo.loss_kwargs.alpha=2")
+    assert "ScaledParams" in str(err.value) and "scale" in str(err.value)
+
+
+def test_a_dotted_loss_that_does_not_import_is_named():
+    with pytest.raises(ConfigError, match=r"algo\.loss='no_such_pkg\.my_loss'"):
+        validate(compose_config(["algo.loss=no_such_pkg.my_loss"]))
