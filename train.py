@@ -7,15 +7,17 @@ from omegaconf import DictConfig
 
 from rlhf_lightning.config import register_configs
 from rlhf_lightning.errors import ConfigError
+from rlhf_lightning.field_checks import early_checks
 
 register_configs()
 
 
 @hydra.main(version_base=None, config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
-    from rlhf_lightning.run import run  # here: a bad key fails in Hydra's composition, before torch
-
     try:
+        early_checks(cfg)  # common fields' values, before the heavy imports below
+        from rlhf_lightning.run import run  # here: a bad key fails in Hydra's composition, before torch
+
         result = run(cfg)
     except ConfigError as err:  # a bad value: the message says which and what is allowed, no traceback
         raise SystemExit(f"error: {err}") from None

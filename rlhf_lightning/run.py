@@ -362,8 +362,10 @@ def _run(cfg: DictConfig, extra_callbacks: Sequence[L.Callback]) -> RunResult:
     validate(cfg)
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
-    L.seed_everything(cfg.seed, workers=True)
+    # Claim the run directory before anything logs: Hydra's job log already points at its
+    # train.log, so a run refused here (a live run holds it) must not have written a line there.
     output_dir, ckpt_path = prepare_run_dir(cfg)
+    L.seed_everything(cfg.seed, workers=True)
     try:
         return _fit(cfg, extra_callbacks, output_dir, ckpt_path)
     finally:

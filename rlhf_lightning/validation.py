@@ -3,7 +3,6 @@ naming the field, the value and what is allowed."""
 
 from __future__ import annotations
 
-import dataclasses
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -12,139 +11,26 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from rlhf_lightning.algorithms.checks import resolve_clip_defaults
 from rlhf_lightning.callbacks.configured import check_configured_callbacks
-from rlhf_lightning.errors import ConfigError, check, check_model_path
+from rlhf_lightning.errors import ConfigError, check
+from rlhf_lightning.field_checks import (
+    LOGGERS,
+    check_known_keys,
+    check_required,
+    validate_model_fields,
+    validate_optim,
+    validate_rollout,
+    validate_trainer,
+)
 from rlhf_lightning.models.kernels import QUANT_TYPES, gpu_model_problem
 from rlhf_lightning.strategies import STRATEGIES, split_global
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-LOGGERS = ("csv", "tensorboard", "wandb")
-# What to pass for a required (``???``) field; any other one gets ``<value>``.
-REQUIRED_EXAMPLES = {"model.path": "/path/to/model", "env._target_": "my_pkg.envs.MyEnv"}
-
 
 def validate_model(m: DictConfig) -> None:
-    check_model_path("model.path", m.path)
-    if m.tokenizer_path is not None:
-        check_model_path("model.tokenizer_path", m.tokenizer_path)
-    template = m.chat_template
-    check(
-        template is None
-        or not str(template).strip().endswith(".jinja")
-        or Path(str(template).strip()).expanduser().is_file(),
-        "model.chat_template",
-        template,
-        "an existing .jinja file, or a Jinja template string",
-    )
-    check(m.dtype in DTYPES, "model.dtype", m.dtype, f"one of {', '.join(DTYPES)}")
-    check(m.finetune in ("lora", "full"), "model.finetune", m.finetune, "one of lora, full")
+    validate_model_fields(m)
     check(m.quant_type in QUANT_TYPES, "model.quant_type", m.quant_type, f"one of {', '.join(QUANT_TYPES)}")
-    check(
-        m.compute_dtype in DTYPES[1:],
-        "model.compute_dtype",
-        m.compute_dtype,
-        f"one of {', '.join(DTYPES[1:])}",
-    )
     problem = gpu_model_problem(m.quantization, m.liger_kernels, m.finetune)
     if problem is not None:
         raise ConfigError(*problem)
-    if m.finetune == "lora":
-        check(m.lora.r > 0, "model.lora.r", m.lora.r, "a positive rank")
-        check(m.lora.alpha > 0, "model.lora.alpha", m.lora.alpha, "a positive number")
-        check(0.0 <= m.lora.dropout < 1.0, "model.lora.dropout", m.lora.dropout, "a probability in [0, 1)")
-
-
-def validate_optim(a: DictConfig) -> None:
-    check(a.lr > 0, "algo.lr", a.lr, "a learning rate > 0")
-    check(a.weight_decay >= 0, "algo.weight_decay", a.weight_decay, ">= 0")
-    check(a.warmup_steps >= 0, "algo.warmup_steps", a.warmup_steps, ">= 0")
-    check(0.0 <= a.min_lr_ratio <= 1.0, "algo.min_lr_ratio", a.min_lr_ratio, "in [0, 1]")
-    check(
-        a.grad_clip is None or a.grad_clip > 0, "algo.grad_clip", a.grad_clip, "> 0, or null for no clipping"
-    )
-    check(
-        a.chunk_rows is None or a.chunk_rows > 0,
-        "algo.chunk_rows",
-        a.chunk_rows,
-        "a positive int, or null (auto)",
-    )
-    check(len(a.adam_betas) == 2, "algo.adam_betas", list(a.adam_betas), "two numbers [beta1, beta2]")
-    check(
-        a.micro_batch_size is None or a.micro_batch_size > 0,
-        "algo.micro_batch_size",
-        a.micro_batch_size,
-        "a positive number of examples, or null",
-    )
-    check(
-        a.ref_update_interval is None or a.ref_update_interval > 0,
-        "algo.ref_update_interval",
-        a.ref_update_interval,
-        "a positive number of optimizer steps, or null",
-    )
-
-
-def validate_rollout(r: DictConfig) -> None:
-    check(r.engine in ("hf", "vllm"), "rollout.engine", r.engine, "one of hf, vllm")
-    if r.engine == "vllm":
-        check(r.sleep_mode_level in (1, 2), "rollout.sleep_mode_level", r.sleep_mode_level, "1 or 2")
-        check(
-            0.0 < r.gpu_memory_utilization <= 1.0,
-            "rollout.gpu_memory_utilization",
-            r.gpu_memory_utilization,
-            "a share in (0, 1]",
-        )
-        check(
-            r.kv_cache_memory_bytes is None or r.kv_cache_memory_bytes > 0,
-            "rollout.kv_cache_memory_bytes",
-            r.kv_cache_memory_bytes,
-            "> 0 bytes, or null",
-        )
-    check(r.max_new_tokens > 0, "rollout.max_new_tokens", r.max_new_tokens, "a positive number of tokens")
-    check(
-        r.temperature > 0,
-        "rollout.temperature",
-        r.temperature,
-        "> 0 (training samples; eval runs greedy too)",
-    )
-    check(0.0 < r.top_p <= 1.0, "rollout.top_p", r.top_p, "in (0, 1]")
-    check(r.top_k >= 0, "rollout.top_k", r.top_k, ">= 0 (0 disables top-k)")
-    check(
-        r.repetition_penalty > 0,
-        "rollout.repetition_penalty",
-        r.repetition_penalty,
-        "> 0 (1.0 disables it)",
-    )
-    check(0.0 <= r.min_p < 1.0, "rollout.min_p", r.min_p, "in [0, 1) (0 disables it)")
-    check(
-        all(isinstance(s, str) and s for s in r.stop),
-        "rollout.stop",
-        list(r.stop),
-        "a list of non-empty stop strings",
-    )
-    check(
-        r.max_batch_size is None or r.max_batch_size > 0,
-        "rollout.max_batch_size",
-        r.max_batch_size,
-        "> 0 or null",
-    )
-
-
-def check_known_keys(node: Any, prefix: str = "") -> None:
-    """Keys added with ``+group.key=...`` that the group's schema does not define are typos."""
-    if not isinstance(node, DictConfig):
-        return
-    schema = OmegaConf.get_type(node)
-    if schema is not None and dataclasses.is_dataclass(schema):
-        known = {f.name for f in dataclasses.fields(schema)}
-        for key in node:
-            if key not in known:
-                raise ConfigError(
-                    f"{prefix}{key!s}",
-                    node[key],
-                    f"not a field of {prefix.rstrip('.') or 'the config'}; valid: {', '.join(sorted(known))}",
-                )
-    for key in node:
-        if isinstance(key, str) and key != "kwargs":
-            check_known_keys(node._get_node(key), f"{prefix}{key}.")
 
 
 def typed_algo(cfg: DictConfig) -> Any:
@@ -223,24 +109,6 @@ def validate_fsdp(cfg: DictConfig) -> None:
     )
 
 
-def validate_trainer(t: DictConfig) -> None:
-    check(
-        t.max_steps > 0 or (t.max_steps == -1 and t.max_epochs is not None and t.max_epochs > 0),
-        "trainer.max_steps",
-        t.max_steps,
-        "a positive number of optimizer steps, or -1 together with trainer.max_epochs > 0 (a run needs an end)",
-    )
-    v = t.val_check_interval
-    check(
-        v is None
-        or (isinstance(v, int) and not isinstance(v, bool) and v > 0)
-        or (isinstance(v, float) and 0.0 < v <= 1.0),
-        "trainer.val_check_interval",
-        v,
-        "a positive number of training steps, a fraction of an epoch in (0, 1], or null",
-    )
-
-
 def validate_reference(a: DictConfig, cfg: DictConfig, spec: Any) -> None:
     """``algo.ref_update_interval`` moves a separate reference adapter that the algorithm uses."""
     if a.ref_update_interval is None:
@@ -258,18 +126,6 @@ def validate_reference(a: DictConfig, cfg: DictConfig, spec: Any) -> None:
         "null, or set algo.use_separate_reference_adapter=true with model.finetune=lora: the default "
         "reference (the base with adapters disabled) cannot move",
     )
-
-
-def check_required(cfg: DictConfig) -> None:
-    """Fields left at ``???`` (e.g. ``model.path`` of ``model=local``) are named, not a traceback."""
-    missing = sorted(OmegaConf.missing_keys(cfg))
-    if missing:
-        key = missing[0]
-        raise ConfigError(
-            key,
-            "???",
-            f"required and not set: pass {key}={REQUIRED_EXAMPLES.get(key, '<value>')} on the command line",
-        )
 
 
 def checkpoint_problem(path: Path) -> str | None:

@@ -1,11 +1,14 @@
-"""A bad key fails in Hydra's composition, before torch, Lightning or transformers are imported
-(``train.py`` imports the run only inside ``main``; the config schemas import none of them).
-How long it takes is measured by ``bench/startup.py``, not here."""
+"""A bad key fails in Hydra's composition, and a bad value of a common field in the early checks,
+before torch, Lightning or transformers are imported (``train.py`` imports the run only after
+``rlhf_lightning.field_checks.early_checks``; the config schemas import none of them). How long
+it takes is measured by ``bench/startup.py``, not here."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+
+import pytest
 
 from tests.conftest import ROOT
 
@@ -21,16 +24,36 @@ def imported_modules(stderr: str) -> set[str]:
     return names
 
 
-def test_a_typo_in_a_key_fails_before_the_heavy_imports():
+def failed_run(*overrides: str) -> tuple[str, set[str]]:
+    """``train.py`` with ``overrides``, which must fail: its stderr and the modules it imported."""
     proc = subprocess.run(
-        [sys.executable, "-X", "importtime", "train.py", "algo.lrr=1"],
+        [sys.executable, "-X", "importtime", "train.py", *overrides],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert proc.returncode != 0
-    assert "algo.lrr" in proc.stderr and "Key 'lrr' not in 'GRPOConfig'" in proc.stderr
-    modules = imported_modules(proc.stderr)
+    return proc.stderr, imported_modules(proc.stderr)
+
+
+def test_a_typo_in_a_key_fails_before_the_heavy_imports():
+    stderr, modules = failed_run("algo.lrr=1")
+    assert "algo.lrr" in stderr and "Key 'lrr' not in 'GRPOConfig'" in stderr
     assert {"hydra", "omegaconf", "rlhf_lightning"} <= modules
+    assert not modules & set(HEAVY), sorted(modules & set(HEAVY))
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("algo.lr=-1", "error: invalid config: algo.lr=-1.0: a learning rate > 0"),
+        ("rollout.top_p=2", "error: invalid config: rollout.top_p=2.0: in (0, 1]"),
+        ("model.dtype=fp8", "error: invalid config: model.dtype='fp8'"),
+        ("trainer.max_steps=0", "error: invalid config: trainer.max_steps=0"),
+    ],
+)
+def test_a_bad_common_value_fails_before_the_heavy_imports(override, message):
+    stderr, modules = failed_run(override)
+    assert message in stderr
     assert not modules & set(HEAVY), sorted(modules & set(HEAVY))
