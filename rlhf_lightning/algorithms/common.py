@@ -199,8 +199,11 @@ class ModuleMixin(L.LightningModule):
         self.trainer.callback_metrics.update({k: torch.tensor(v) for k, v in values.items()})
 
     def checkpoint_keys(self) -> set[str]:
-        """The parameters a checkpoint holds: trainable ones and a reference adapter (which may move)."""
-        return {n for n, p in self.named_parameters() if p.requires_grad or ".reference." in n}
+        """The parameters a checkpoint holds: trainable ones and a reference adapter (which may
+        move), by the roles the policy was built with."""
+        roles = self.policy.roles
+        kept = roles["actor"] | roles["critic"] | roles["reference"]
+        return {f"policy.{n}" for n in kept}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Keep trainable weights (and a reference adapter, which may move) only: the frozen base

@@ -90,6 +90,29 @@ def _has_shared_prompts(prompt_lens: torch.Tensor, prefix_ids: torch.Tensor) -> 
     return bool((prompt_lens >= 2).all()) and len(torch.unique(prefix_ids)) < len(prefix_ids)
 
 
+def parameter_roles(
+    names: list[str], trainable: set[str], reference_adapter: str | None, critic_adapter: str | None
+) -> dict[str, frozenset[str]]:
+    """Every parameter name by its role, decided once when the policy is built (the only place
+    that reads PEFT's ``.<adapter>.`` naming): ``critic`` (the critic adapter and the value head),
+    ``actor`` (every other trainable parameter: the actor adapter, or all weights under full
+    fine-tuning), ``reference`` (a separate reference adapter, which may move) and ``frozen``."""
+    critic = {
+        n
+        for n in names
+        if n.startswith("value_head.") or (critic_adapter is not None and f".{critic_adapter}." in n)
+    }
+    reference = {n for n in names if reference_adapter is not None and f".{reference_adapter}." in n}
+    actor = (trainable - critic) - reference
+    frozen = set(names) - actor - critic - reference
+    return {
+        "actor": frozenset(actor),
+        "critic": frozenset(critic & trainable),
+        "reference": frozenset(reference),
+        "frozen": frozenset(frozen | (critic - trainable)),
+    }
+
+
 class Policy(nn.Module):
     """Actor, reference and critic on one model.
 
@@ -124,6 +147,9 @@ class Policy(nn.Module):
         self.critic_adapter = critic_adapter
         self.value_head = value_head
         self._trainable = {n for n, p in self.named_parameters() if p.requires_grad}
+        self.roles = parameter_roles(
+            [n for n, _ in self.named_parameters()], self._trainable, reference_adapter, critic_adapter
+        )
 
     @property
     def is_peft(self) -> bool:
@@ -149,17 +175,10 @@ class Policy(nn.Module):
         return self.model
 
     def trainable_parameters(self, part: str = "all") -> list[nn.Parameter]:
-        """``all``, ``actor`` (everything but the critic) or ``critic`` (its adapter and value head)."""
-        out = []
-        for name, p in self.named_parameters():
-            if name not in self._trainable:
-                continue
-            is_critic = name.startswith("value_head.") or (
-                self.critic_adapter is not None and f".{self.critic_adapter}." in name
-            )
-            if part == "all" or (part == "critic") == is_critic:
-                out.append(p)
-        return out
+        """``all``, ``actor`` (everything trainable but the critic) or ``critic`` (its adapter and
+        value head), in ``named_parameters`` order: the groups of :attr:`roles`."""
+        names = self.roles["actor"] | self.roles["critic"] if part == "all" else self.roles[part]
+        return [p for n, p in self.named_parameters() if n in names]
 
     @contextmanager
     def use_adapter(self, name: str) -> Iterator[Any]:
