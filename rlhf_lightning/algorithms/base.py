@@ -207,7 +207,7 @@ class RolloutModule(RolloutEvaluation):
         metrics["perf/step_s"] = torch.tensor(step_s)
         metrics["perf/rollout_s"] = torch.tensor(t_rollout)
         metrics["perf/tokens_per_s"] = traj.action_mask.sum().float().cpu() / step_s
-        self.log_metrics(metrics)
+        self.log_step(metrics)
         self.log("reward", metrics["rollout/reward_mean"], prog_bar=True, logger=False)
         self.warn_on_engine_gap(metrics)
         self.keep_samples(result)

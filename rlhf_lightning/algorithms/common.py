@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from rlhf_lightning.algorithms.records import StepSummary
 from rlhf_lightning.models.sharding import is_sharded
 from rlhf_lightning.runtime import rng
 from rlhf_lightning.runtime.distributed import (
@@ -79,6 +80,7 @@ class ModuleMixin(L.LightningModule):
     # Whether ``training_step`` generates (rollout algorithms): the engine callback wakes the
     # engine before each training batch only then.
     generates_in_training_step: ClassVar[bool] = False
+    last_step: StepSummary | None = None  # the last training step's summary (log_step)
 
     @property
     def world_size(self) -> int:
@@ -188,15 +190,21 @@ class ModuleMixin(L.LightningModule):
         if interval and self.global_step % interval == 0:
             self.policy.copy_actor_to_reference()
 
-    def log_metrics(self, metrics: Metrics) -> None:
+    def log_metrics(self, metrics: Metrics) -> dict[str, float]:
         """Send metrics, averaged over ranks, to every logger at ``step`` = optimizer updates done
-        so far (0 before training), and keep them in ``trainer.callback_metrics``."""
+        so far (0 before training), and keep them in ``trainer.callback_metrics``. Returns the
+        global values (empty outside a trainer)."""
         if self._trainer is None:
-            return
+            return {}
         values = reduce_metrics({k: float(v) for k, v in metrics.items()}, self.world_size)  # global
         for logger in self.loggers:
             logger.log_metrics(values, step=self.global_step)
         self.trainer.callback_metrics.update({k: torch.tensor(v) for k, v in values.items()})
+        return values
+
+    def log_step(self, metrics: Metrics) -> None:
+        """:meth:`log_metrics` for a training step's own metrics, kept as :attr:`last_step`."""
+        self.last_step = StepSummary.from_metrics(self.log_metrics(metrics))
 
     def checkpoint_keys(self) -> set[str]:
         """The parameters a checkpoint holds: trainable ones and a reference adapter (which may

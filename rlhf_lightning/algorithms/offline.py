@@ -94,7 +94,7 @@ class OfflineModule(RolloutEvaluation):
         step_s = time.perf_counter() - t0
         metrics["perf/step_s"] = torch.tensor(step_s)
         metrics["perf/tokens_per_s"] = batch.attention_mask.sum().float().cpu() / step_s
-        self.log_metrics({k: v.detach().float().cpu() for k, v in metrics.items()})
+        self.log_step({k: v.detach().float().cpu() for k, v in metrics.items()})
         self.log("loss", total, prog_bar=True, logger=False)
 
     # ---------------------------------------------------------------- evaluation

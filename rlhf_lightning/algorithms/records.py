@@ -9,6 +9,7 @@ Notation:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -76,3 +77,29 @@ class Scored:
     metrics: Metrics
     critic: CriticTargets | None = None
     level: str | None = None
+
+
+@dataclass(frozen=True)
+class StepSummary:
+    """What one training step did, global over ranks (the logged values), for the callbacks
+    that act on it (the guard, the population): the one place that reads metric names for them.
+    A field is None when the step did not log it (e.g. no actor update in PPO's critic warm-up).
+    """
+
+    reward_mean: float | None = None  # rollout/reward_mean
+    reward_std: float | None = None  # rollout/reward_std
+    empty_frac: float | None = None  # rollout/empty_frac: completions of at most one token
+    grad_norm: float | None = None  # actor/grad_norm, before clipping
+    loss: float | None = None  # actor/loss
+    lr: float | None = None  # actor/lr
+
+    @classmethod
+    def from_metrics(cls, values: Mapping[str, float]) -> StepSummary:
+        return cls(
+            reward_mean=values.get("rollout/reward_mean"),
+            reward_std=values.get("rollout/reward_std"),
+            empty_frac=values.get("rollout/empty_frac"),
+            grad_norm=values.get("actor/grad_norm"),
+            loss=values.get("actor/loss"),
+            lr=values.get("actor/lr"),
+        )

@@ -9,43 +9,37 @@ stops the run (with a checkpoint) when ``guard.stop_on_collapse=true``:
     empty completions   ``rollout/empty_frac`` >= ``guard.empty_frac``
     zero gradient       ``actor/grad_norm`` == 0 (nothing to learn from, or nothing learnt)
     reward at its floor ``rollout/reward_std`` == 0 with the reward at the lowest mean seen so far
-The metrics are the logged ones, already global over ranks, so every rank decides the same.
+The module's ``last_step`` summary holds the logged values, already global over ranks, so every
+rank decides the same.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 
+from rlhf_lightning.algorithms.records import StepSummary
 from rlhf_lightning.callbacks.signals import stop_after_this_step
 
 log = logging.getLogger(__name__)
 
 
-def _value(metrics: Mapping[str, Any], key: str) -> float | None:
-    v = metrics.get(key)
-    return None if v is None else float(v)
+def collapse_signals(empty_frac: float, floor: float) -> dict[str, Callable[[StepSummary], bool]]:
+    """Name -> whether the step shows it (``floor``: the lowest reward mean so far)."""
 
+    def empty(s: StepSummary) -> bool:
+        return s.empty_frac is not None and s.empty_frac >= empty_frac
 
-def collapse_signals(empty_frac: float, floor: float) -> dict[str, Callable[[Mapping[str, Any]], bool]]:
-    """Name -> whether the step's metrics show it (``floor``: the lowest reward mean so far)."""
+    def zero_grad(s: StepSummary) -> bool:
+        return s.grad_norm is not None and s.grad_norm == 0.0
 
-    def empty(m: Mapping[str, Any]) -> bool:
-        v = _value(m, "rollout/empty_frac")
-        return v is not None and v >= empty_frac
-
-    def zero_grad(m: Mapping[str, Any]) -> bool:
-        v = _value(m, "actor/grad_norm")
-        return v is not None and v == 0.0
-
-    def at_floor(m: Mapping[str, Any]) -> bool:
-        std, mean = _value(m, "rollout/reward_std"), _value(m, "rollout/reward_mean")
-        return std == 0.0 and mean is not None and mean <= floor
+    def at_floor(s: StepSummary) -> bool:
+        return s.reward_std == 0.0 and s.reward_mean is not None and s.reward_mean <= floor
 
     return {
         "empty completions (rollout/empty_frac)": empty,
@@ -77,16 +71,16 @@ class Guard(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         if self.stop_reason is not None:
             return
-        m = trainer.callback_metrics
+        step: StepSummary = getattr(pl_module, "last_step", None) or StepSummary()
         nonfinite = int(getattr(pl_module, "nonfinite_streak", 0))
         if self.max_nonfinite_steps and nonfinite >= self.max_nonfinite_steps:
             self.stop(
                 trainer, f"{nonfinite} optimizer steps in a row had a non-finite gradient norm (skipped)"
             )
             return
-        mean = _value(m, "rollout/reward_mean")
+        mean = step.reward_mean
         for name, fired in collapse_signals(self.empty_frac, self.floor).items():
-            self.streaks[name] = self.streaks.get(name, 0) + 1 if fired(m) else 0
+            self.streaks[name] = self.streaks.get(name, 0) + 1 if fired(step) else 0
             if self.streaks[name] < self.patience:
                 continue
             if self.stop_on_collapse:

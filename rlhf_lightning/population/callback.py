@@ -30,6 +30,7 @@ import lightning as L
 import torch
 
 from rlhf_lightning.algorithms.evaluation import episode_success
+from rlhf_lightning.algorithms.records import StepSummary
 from rlhf_lightning.population.checks import check_member, validate_space
 from rlhf_lightning.population.evolution import MUTABLE, MutationRange, mutate, tournament_select
 from rlhf_lightning.population.members import KEEP_SNAPSHOTS, Member, copy_into, write_snapshot
@@ -263,9 +264,9 @@ class Population(L.Callback):
         self.refresh_reference()  # after the batch's last update
         slot = self.steps % self.size
         self.steps += 1
-        metrics = trainer.callback_metrics
-        keep = {f"member_{slot}/{k.split('/', 1)[1]}": v for k, v in metrics.items()
-                if k in ("rollout/reward_mean", "actor/loss", "actor/lr")}  # fmt: skip
+        step = getattr(pl_module, "last_step", None) or StepSummary()
+        shown = {"reward_mean": step.reward_mean, "loss": step.loss, "lr": step.lr}
+        keep = {f"member_{slot}/{k}": torch.tensor(v) for k, v in shown.items() if v is not None}
         keep[f"member_{slot}/id"] = torch.tensor(float(self.members[slot].id))
         pl_module.log_metrics(keep)  # type: ignore[operator]
         if self.evolve_every and self.steps % self.evolve_every == 0:
