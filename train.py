@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import hydra
 from omegaconf import DictConfig
 
@@ -10,6 +12,23 @@ from rlhf_lightning.errors import ConfigError
 from rlhf_lightning.field_checks import early_checks
 
 register_configs()
+
+
+def lightning_logging_as_before_hydra() -> None:
+    """Lightning's loggers as they are when Lightning is imported before Hydra sets up logging
+    (it was, before the run's import moved into ``main`` for fast failure): each of
+    ``lightning.pytorch`` and ``lightning.fabric`` prints through its own handler and does not
+    propagate. Imported after Hydra's handlers exist, Lightning would propagate instead, and its
+    lines would print twice and land in a refused run's train.log."""
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.INFO)
+        if not logger.handlers:
+            logger.addHandler(logging.StreamHandler())
+        logger.propagate = False
+
+
+lightning_logging_as_before_hydra()
 
 
 @hydra.main(version_base=None, config_path="conf", config_name="config")

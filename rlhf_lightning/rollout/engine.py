@@ -89,3 +89,29 @@ class RolloutEngine(Sampler, Protocol):
     def invalidate(self) -> None: ...
 
     def shutdown(self) -> None: ...
+
+
+class EngineBase:
+    """No-op lifecycle methods of :class:`RolloutEngine`, for an engine that samples the trainer's
+    live module (the HF engine) or one written for a test: subclass it and define ``generate``."""
+
+    def bind_rank(self, rank: int, world_size: int, local_rank: int) -> None:
+        pass
+
+    def sleep(self) -> None:
+        pass
+
+    def wake(self) -> None:
+        pass
+
+    def sync_weights(self, model: nn.Module) -> None:
+        pass
+
+    def ensure_synced(self, policy: nn.Module, version: int) -> None:
+        pass
+
+    def invalidate(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass

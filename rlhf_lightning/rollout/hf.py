@@ -28,10 +28,10 @@ from transformers.generation import (
 )
 
 from rlhf_lightning.models.policy import cache_kwarg, output_cache
-from rlhf_lightning.rollout.engine import Completion, SamplingParams
+from rlhf_lightning.rollout.engine import Completion, EngineBase, SamplingParams
 
 
-class HFEngine:
+class HFEngine(EngineBase):
     """Samples from the live policy module, so there are no weights to sync.
 
     Args:
@@ -62,28 +62,6 @@ class HFEngine:
         self.max_batch_size = max_batch_size
         self.share_prefill = share_prefill
         self.tokenizer = tokenizer
-
-    # It samples the trainer's live module: no process of its own, nothing to free or push.
-    def bind_rank(self, rank: int, world_size: int, local_rank: int) -> None:
-        pass
-
-    def sleep(self) -> None:
-        pass
-
-    def wake(self) -> None:
-        pass
-
-    def sync_weights(self, model: nn.Module) -> None:
-        pass
-
-    def ensure_synced(self, policy: nn.Module, version: int) -> None:
-        pass
-
-    def invalidate(self) -> None:
-        pass
-
-    def shutdown(self) -> None:
-        pass
 
     @torch.no_grad()
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Completion]:

@@ -28,7 +28,7 @@ from rlhf_lightning.envs.tool_tasks import (
 from rlhf_lightning.envs.tools import LIMIT_NOTE, ToolEnv
 from rlhf_lightning.errors import ConfigError
 from rlhf_lightning.models.build import load_tokenizer
-from rlhf_lightning.rollout.engine import Completion, SamplingParams
+from rlhf_lightning.rollout.engine import Completion, EngineBase, SamplingParams
 
 TEMPLATE = ASSETS / "chat_templates" / "tools.jinja"
 RELEASE = threading.Event()  # lets a timed-out sleepy() thread finish at the end of the module
@@ -509,7 +509,7 @@ def compose_path(fast_cfg) -> str:
     ).model.chat_template
 
 
-class CalculatorPlayer:
+class CalculatorPlayer(EngineBase):
     """Plays env=tools for the tiny chat model (which never calls a tool): turn 1 calls the
     calculator on the question's expression, turn 2 answers with its result (every other
     episode off by one, so the rewards of a group differ and the step has a gradient)."""
@@ -530,15 +530,6 @@ class CalculatorPlayer:
             out.append(Completion(reply_ids, [-1.0] * len(reply_ids), "stop", i))
         self.turn_calls += 1
         return out
-
-    def sleep(self):
-        pass
-
-    def wake(self):
-        pass
-
-    def sync_weights(self, model):
-        pass
 
 
 @pytest.mark.slow
