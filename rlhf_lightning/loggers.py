@@ -112,8 +112,10 @@ def hydra_job() -> dict[str, Any]:
 
 def wandb_location(loggers: list[Any]) -> str | None:
     """The W&B run's URL (online) or its local directory (offline), when one of ``loggers`` is W&B."""
+    from lightning.pytorch.loggers import WandbLogger  # importable without wandb installed
+
     for lg in loggers:
-        if type(lg).__name__ == "WandbLogger":
+        if isinstance(lg, WandbLogger):
             run = lg.experiment
             return getattr(run, "url", None) or str(Path(run.dir).parent)
     return None

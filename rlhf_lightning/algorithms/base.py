@@ -40,6 +40,7 @@ from rlhf_lightning.envs.trajectory import TrajectoryBatch, collate
 from rlhf_lightning.models.policy import Policy
 from rlhf_lightning.models.sharding import gathered
 from rlhf_lightning.rollout.engine import RolloutEngine, SamplingParams
+from rlhf_lightning.rollout.hooks import RolloutHooks
 from rlhf_lightning.runtime.distributed import agree_max, all_sum
 
 log = logging.getLogger(__name__)
@@ -224,23 +225,23 @@ class RolloutModule(RolloutEvaluation):
         batch = collate(result.trajectories, self.harness.tokenizer.pad_token_id)
         return RolloutResult(batch, result.trajectories, {**result.metrics, **metrics})
 
-    def notify_callbacks(self, hook_name: str, *args: Any) -> None:
-        """Call ``hook_name(trainer, module, *args)`` on every callback that has it (hooks of
-        ours that Lightning does not know: ``on_rollout_end``, ``on_phase``)."""
+    def rollout_hooks(self) -> list[RolloutHooks]:
+        """The trainer's callbacks that take this module's own hooks (:class:`RolloutHooks`)."""
         if self._trainer is None:
-            return
-        for cb in cast(list, getattr(self.trainer, "callbacks", [])):
-            hook = getattr(cb, hook_name, None)
-            if hook is not None:
-                hook(self.trainer, self, *args)
+            return []
+        return [
+            cb for cb in cast(list, getattr(self.trainer, "callbacks", [])) if isinstance(cb, RolloutHooks)
+        ]
 
     def report_phase(self, text: str) -> None:
-        """Tell callbacks with an ``on_phase`` hook (the progress bar) where the step is."""
-        self.notify_callbacks("on_phase", text)
+        """Tell the hook callbacks (the progress bar) where the step is."""
+        for cb in self.rollout_hooks():
+            cb.on_phase(self.trainer, self, text)
 
     def rollouts_done(self) -> None:
         """Rollouts are collected: callbacks may put the engine to sleep before training."""
-        self.notify_callbacks("on_rollout_end")
+        for cb in self.rollout_hooks():
+            cb.on_rollout_end(self.trainer, self)
 
     def is_on_policy(self, n: int) -> bool:
         """One epoch over one mini-batch: old log-probs equal the current ones (ratio 1)."""

@@ -10,8 +10,10 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback, RichProgressBar
 
+from rlhf_lightning.rollout.hooks import RolloutHooks
 
-class StepProgressBar(RichProgressBar):
+
+class StepProgressBar(RolloutHooks, RichProgressBar):
     """Lightning's rich bar labelled ``train`` (optimizer steps bound the run, not epochs), with
     the phase inside a step while it runs (rollout, log-probs, update k/K)."""
 

@@ -19,6 +19,7 @@ import torch
 
 from rlhf_lightning.models.sharding import gathered
 from rlhf_lightning.rollout.engine import RolloutEngine
+from rlhf_lightning.rollout.hooks import RolloutHooks
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ class EngineOwner(Protocol):
     generates_in_training_step: bool
 
 
-class RolloutEngineCallback(L.Callback):
+class RolloutEngineCallback(RolloutHooks, L.Callback):
     """Drives ``pl_module.engine`` (any :class:`~rlhf_lightning.rollout.engine.RolloutEngine` with
     ``bind_rank``/``wake``/``sleep``/``ensure_synced``/``shutdown``; the HF engine's are no-ops).
 
