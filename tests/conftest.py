@@ -94,6 +94,23 @@ def fit_steps(cfg: DictConfig, tmp_path: Path, steps: int = 1, callbacks=(), mod
     return module, trainer
 
 
+def spy_collect(module, seen: list) -> None:
+    """Append every rollout result ``module.collect`` returns to ``seen``."""
+    original = module.collect
+
+    def spy(rows):
+        out = original(rows)
+        seen.append(out[0])
+        return out
+
+    module.collect = spy
+
+
+def trainable_snapshot(module) -> dict:
+    """Copies of the policy's trainable parameters, by name."""
+    return {n: p.detach().clone() for n, p in module.policy.named_parameters() if p.requires_grad}
+
+
 def fit_recording(cfg: DictConfig, tmp_path: Path, steps: int):
     """:func:`fit_steps`, keeping each step's rollout result (``module.collect``'s) and wall time.
 
@@ -112,17 +129,9 @@ def fit_recording(cfg: DictConfig, tmp_path: Path, steps: int):
         def on_train_batch_end(self, *args) -> None:
             times.append(time.perf_counter() - self.start)
 
-    def hook(module) -> None:
-        original = module.collect
-
-        def spy(rows):
-            out = original(rows)
-            seen.append(out[0])
-            return out
-
-        module.collect = spy
-
-    module, trainer = fit_steps(cfg, tmp_path, steps=steps, callbacks=[Timer()], module_hook=hook)
+    module, trainer = fit_steps(
+        cfg, tmp_path, steps=steps, callbacks=[Timer()], module_hook=lambda m: spy_collect(m, seen)
+    )
     return module, trainer, seen, times
 
 

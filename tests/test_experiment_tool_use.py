@@ -16,7 +16,7 @@ from rlhf_lightning.config import ASSETS
 from rlhf_lightning.envs.chat import ChatFormatter, env_tools
 from rlhf_lightning.envs.tool_tasks import CalculatorToolEnv
 from rlhf_lightning.validation import validate
-from tests.conftest import compose_config, fit_steps
+from tests.conftest import compose_config, fit_steps, spy_collect, trainable_snapshot
 
 MODEL = ASSETS / "tiny_tools"
 TEMPLATE = ASSETS / "chat_templates" / "tools.jinja"
@@ -97,17 +97,8 @@ def test_two_steps_play_calculator_episodes_and_move_the_weights(tmp_path, algo)
     results, initial = [], {}
 
     def hook(module):
-        initial.update(
-            {n: p.detach().clone() for n, p in module.policy.named_parameters() if p.requires_grad}
-        )
-        original = module.collect
-
-        def spy(rows):
-            out = original(rows)
-            results.append(out[0])
-            return out
-
-        module.collect = spy
+        initial.update(trainable_snapshot(module))
+        spy_collect(module, results)
 
     module, trainer = fit_steps(cfg, tmp_path, steps=2, module_hook=hook)
     assert trainer.global_step == 2 and len(results) == 2 and initial

@@ -11,7 +11,7 @@ import torch
 
 from rlhf_lightning.config import ASSETS
 from rlhf_lightning.validation import validate
-from tests.conftest import compose_config, fit_steps
+from tests.conftest import compose_config, fit_steps, spy_collect
 
 CHAT_MODEL = ASSETS / "tiny_chat"
 PRESETS = {  # experiment: env class
@@ -46,17 +46,7 @@ def test_guess_number_step_plays_multiturn_episodes_with_consistent_turn_ids(tmp
     )
     results = []
 
-    def hook(module):
-        original = module.collect
-
-        def spy(rows):
-            out = original(rows)
-            results.append(out[0])
-            return out
-
-        module.collect = spy
-
-    fit_steps(cfg, tmp_path, steps=1, module_hook=hook)
+    fit_steps(cfg, tmp_path, steps=1, module_hook=lambda m: spy_collect(m, results))
     assert len(results) == 1
     b, trajs = results[0].batch, results[0].trajectories
     assert len(trajs) == 16

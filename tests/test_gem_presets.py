@@ -16,7 +16,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from rlhf_lightning.config import ASSETS
 from rlhf_lightning.validation import validate
-from tests.conftest import compose_config, fit_steps
+from tests.conftest import compose_config, fit_steps, spy_collect, trainable_snapshot
 
 GEM_MODEL = ASSETS / "tiny_gem"
 PRESETS = {  # experiment: (GEM id, GEM's own turn limit)
@@ -84,17 +84,8 @@ def test_two_steps_play_gem_and_move_the_weights(tmp_path, experiment):
     results, initial = [], {}
 
     def hook(module):
-        initial.update(
-            {n: p.detach().clone() for n, p in module.policy.named_parameters() if p.requires_grad}
-        )
-        original = module.collect
-
-        def spy(rows):
-            out = original(rows)
-            results.append(out[0])
-            return out
-
-        module.collect = spy
+        initial.update(trainable_snapshot(module))
+        spy_collect(module, results)
 
     module, trainer = fit_steps(cfg, tmp_path, steps=2, module_hook=hook)
     assert trainer.global_step == 2 and len(results) == 2 and initial
