@@ -76,7 +76,7 @@ class Registry(Generic[F]):
         return iter(self.names())
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self.names())  # as iteration: dotted aliases are not entries of their own
 
     def __repr__(self) -> str:
         return f"Registry({self.kind!r}: {', '.join(self.names())})"

@@ -69,6 +69,9 @@ def test_a_loss_from_outside_the_package_trains_with_its_own_hyper_parameter(tmp
     module, trainer = fit_steps(cfg, tmp_path, steps=2, module_hook=hook)
     seen = sys.modules[MODULE].SEEN
     assert trainer.global_step == 2 and seen and set(seen) == {0.5}
+    # the dotted name is an alias of the registered entry, not a second loss
+    assert f"{MODULE}.scaled_pg" in POLICY_LOSSES and "scaled_pg" in POLICY_LOSSES.names()
+    assert len(POLICY_LOSSES) == len(POLICY_LOSSES.names()) == len(list(POLICY_LOSSES))
     moved = [
         n for n, p in module.policy.named_parameters() if n in initial and not torch.equal(p, initial[n])
     ]
