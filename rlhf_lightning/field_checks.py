@@ -181,6 +181,11 @@ def early_checks(cfg: DictConfig) -> None:
     validate_model_fields(cfg.model)
     validate_rollout(cfg.rollout)
     validate_trainer(cfg.trainer)
-    schema = OmegaConf.get_type(cfg.algo)
-    if schema is not None and dataclasses.is_dataclass(schema):  # a family's own YAML: later
+    if is_typed(cfg.algo):  # a family's own YAML: validation.validate, once typed
         validate_optim(cfg.algo)
+
+
+def is_typed(node: Any) -> bool:
+    """Whether ``node`` is a structured config (its YAML starts from a schema)."""
+    schema = OmegaConf.get_type(node)
+    return schema is not None and dataclasses.is_dataclass(schema)
