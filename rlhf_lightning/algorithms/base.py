@@ -13,44 +13,42 @@ is one :class:`~rlhf_lightning.algorithms.objective.Objective`; the rest lives h
 
 from __future__ import annotations
 
-import logging
 import time
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-from rlhf_lightning.algorithms.common import MetricAccumulator, Metrics, adamw_with_schedule
-from rlhf_lightning.algorithms.diagnostics import turn_metrics
+from rlhf_lightning.algorithms.common import MetricAccumulator, Metrics
+from rlhf_lightning.algorithms.diagnostics import rollout_metrics, warn_on_engine_gap
 from rlhf_lightning.algorithms.evaluation import RolloutEvaluation
-from rlhf_lightning.algorithms.liger_path import LigerObjective, use_liger
-from rlhf_lightning.algorithms.microbatch import split_by_tokens, split_rows
-from rlhf_lightning.algorithms.objective import (
-    CriticTerm,
-    KLTerm,
-    MicroBatch,
-    Objective,
-    PolicyObjective,
-    PolicyTerm,
-)
+from rlhf_lightning.algorithms.liger_path import use_liger
+from rlhf_lightning.algorithms.objective import CriticTerm, MicroBatch, Objective, PolicyTerm
+from rlhf_lightning.algorithms.objective_build import build_objective
+from rlhf_lightning.algorithms.optimizer import adamw_with_schedule
 from rlhf_lightning.algorithms.records import Advantages, Scored
-from rlhf_lightning.algorithms.scoring import Scorer
+from rlhf_lightning.algorithms.scoring import Scorer, finalize_rewards
+from rlhf_lightning.algorithms.update_plan import UpdatePlan, no_grad_head
 from rlhf_lightning.envs.harness import RolloutHarness, RolloutResult
-from rlhf_lightning.envs.trajectory import TrajectoryBatch, collate
+from rlhf_lightning.envs.trajectory import TrajectoryBatch
 from rlhf_lightning.models.policy import Policy
 from rlhf_lightning.models.sharding import gathered
 from rlhf_lightning.rollout.engine import RolloutEngine, SamplingParams
 from rlhf_lightning.rollout.hooks import RolloutHooks
-from rlhf_lightning.runtime.distributed import agree_max, all_sum
-
-log = logging.getLogger(__name__)
-
-IS_GAP_WARN, IS_CLIP_WARN = 0.1, 0.02  # nats; share of truncated weights
 
 
-def _rows(x: torch.Tensor | None, index: torch.Tensor, width: int) -> torch.Tensor | None:
-    """Rows ``index`` of a (B, L-1) tensor, trimmed to ``width`` columns."""
-    return None if x is None else x[index][:, :width]
+@dataclass(frozen=True)
+class _MiniBatchStep:
+    """What every mini-batch of one update reads: the batch, its scores and log-probs, the
+    objective and the rows' lengths (for token-budget micro-batches)."""
+
+    traj: TrajectoryBatch
+    scored: Scored
+    old_logp: torch.Tensor | None
+    ref_logp: torch.Tensor | None
+    objective: Objective
+    lengths: list[int]
 
 
 class RolloutModule(RolloutEvaluation):
@@ -82,15 +80,10 @@ class RolloutModule(RolloutEvaluation):
         num_train_rows: int | None = None,
         eval_num_samples: int = 1,
     ) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-        # Checkpoints hold trainable weights only; the frozen base reloads from model.path.
-        self.strict_loading = False
-        self.policy = policy
+        super().__init__(policy, hp)
         self.harness = harness
         self.engine = engine
         self.sampling = sampling
-        self.hp = hp
         self.eval_greedy, self.eval_sampled, self.eval_num_samples = (
             eval_greedy,
             eval_sampled,
@@ -156,31 +149,16 @@ class RolloutModule(RolloutEvaluation):
 
     def build_objective(self) -> Objective:
         """The micro-batch loss: Liger's fused kernel (GPU, ``algo.use_liger_loss``) or ours."""
-        hp = self.hp
-        tis_cap = hp.tis_cap if hp.old_logprobs_source == "trainer" else None
-        self.use_liger = use_liger(hp, self.device)
-        if self.use_liger:
-            return LigerObjective(
-                hp,
-                temperature=self.sampling.temperature,
-                chunk_rows=hp.chunk_rows,
-                max_len=self.max_len_norm,
-                tis_cap=tis_cap,
-                world_size=self.world_size,
-            )
-        kl_term = None
-        if hp.beta > 0 and hp.kl_mode == "loss":
-            kl_term = KLTerm(hp.beta, hp.kl_estimator, hp.kl_clamp, hp.kl_importance_weighted)
-        return PolicyObjective(
-            self.policy_term(),
-            agg_mode=hp.loss_agg_mode,
-            max_len=self.max_len_norm,
-            temperature=self.sampling.temperature,
-            chunk_rows=hp.chunk_rows,
-            kl_term=kl_term,
-            entropy_coef=self.entropy_coef(),
-            tis_cap=tis_cap,
+        self.use_liger = use_liger(self.hp, self.device)
+        return build_objective(
+            self.hp,
+            self.policy_term,
             critic=self.critic_term(),
+            entropy_coef=self.entropy_coef(),
+            temperature=self.sampling.temperature,
+            max_len=self.max_len_norm,
+            world_size=self.world_size,
+            liger=self.use_liger,
         )
 
     # ---------------------------------------------------------------- the training step
@@ -204,7 +182,7 @@ class RolloutModule(RolloutEvaluation):
         metrics.update(self.update(traj, scored, old_logp, ref_logp))
         # 5. Log.
         step_s = time.perf_counter() - t_start
-        metrics.update(self.rollout_metrics(traj, result))
+        metrics.update(rollout_metrics(traj, result.metrics))
         metrics["perf/step_s"] = torch.tensor(step_s)
         metrics["perf/rollout_s"] = torch.tensor(t_rollout)
         metrics["perf/tokens_per_s"] = traj.action_mask.sum().float().cpu() / step_s
@@ -216,14 +194,9 @@ class RolloutModule(RolloutEvaluation):
     def finalize_rewards(self, result: RolloutResult) -> RolloutResult:
         """The step's training rewards once its batch is final (after every refill round): the
         ``reward`` group's batch-normalised components standardised over every rank's batch."""
-        reward = self.harness.reward
-        if reward is None:
-            return result
-        metrics = reward.finalize(
-            result.trajectories, lambda t: all_sum(t, self.world_size), device=self.device
+        return finalize_rewards(
+            result, self.harness.reward, self.harness.tokenizer.pad_token_id, self.world_size, self.device
         )
-        batch = collate(result.trajectories, self.harness.tokenizer.pad_token_id)
-        return RolloutResult(batch, result.trajectories, {**result.metrics, **metrics})
 
     def rollout_hooks(self) -> list[RolloutHooks]:
         """The trainer's callbacks that take this module's own hooks (:class:`RolloutHooks`)."""
@@ -243,36 +216,11 @@ class RolloutModule(RolloutEvaluation):
         for cb in self.rollout_hooks():
             cb.on_rollout_end(self.trainer, self)
 
-    def is_on_policy(self, n: int) -> bool:
-        """One epoch over one mini-batch: old log-probs equal the current ones (ratio 1)."""
-        return self.hp.update_epochs == 1 and self.mini_batch_size(n) == n
-
     @property
-    def rollout_batch_size(self) -> int:
-        """Trajectories per training step on this rank (``prompts_per_step`` is global)."""
-        return cast(int, self.per_rank(self.hp.prompts_per_step, "prompts_per_step")) * self.hp.group_size
-
-    def mini_batch_size(self, n: int) -> int:
-        """Trajectories per optimizer step on this rank (``algo.mini_batch_size`` is global)."""
-        return min(self.per_rank(self.hp.mini_batch_size, "mini_batch_size") or n, n)
-
-    def micro_batch_size(self, n: int) -> int:
-        return min(self.per_rank(self.hp.micro_batch_size, "micro_batch_size") or n, n)
-
-    def micro_chunks(
-        self, index: torch.Tensor, lengths: list[int], n: int, extra: int = 0
-    ) -> list[torch.Tensor]:
-        """Rows ``index`` (of a mini-batch of ``n``) as micro-batches: packed within
-        ``algo.micro_batch_tokens`` padded tokens (``lengths``: every row's sequence length, plus
-        ``extra`` padding columns the pass adds), else ``micro_batch_size`` rows at a time."""
-        if self.hp.micro_batch_tokens is not None:
-            return split_by_tokens(index, [length + extra for length in lengths], self.hp.micro_batch_tokens)
-        return split_rows(index, self.micro_batch_size(n))
-
-    def row_lengths(self, traj: TrajectoryBatch) -> list[int]:
-        """Every row's sequence length, read once per pass when micro-batches follow a token
-        budget (one host sync), else nothing."""
-        return traj.attention_mask.sum(-1).tolist() if self.hp.micro_batch_tokens is not None else []
+    def plan(self) -> UpdatePlan:
+        """The per-rank batch sizes of the update, from the current hyper-parameters (a
+        population member's group size may differ)."""
+        return UpdatePlan.from_hp(self.hp, self.world_size)
 
     def old_logprobs(self, traj: TrajectoryBatch) -> torch.Tensor | None:
         """The behaviour log-probs the ratios use.
@@ -288,33 +236,15 @@ class RolloutModule(RolloutEvaluation):
             or self.hp.offpolicy_seq_threshold is not None
             or (self.hp.beta > 0 and self.hp.kl_mode != "loss")
         )
-        if self.is_on_policy(len(traj)) and not needed_before_update:
+        if self.plan.is_on_policy(len(traj)) and not needed_before_update:
             return None
         return self.batched_logprobs(traj)
 
     def batched_logprobs(self, traj: TrajectoryBatch, reference: bool = False) -> torch.Tensor:
-        """No-grad log-probs of every action token. Shape: (B, L-1)"""
-        return self.batched_heads(traj, "logp", reference=reference)
-
-    @torch.no_grad()
-    def batched_heads(self, traj: TrajectoryBatch, head: str, reference: bool = False) -> torch.Tensor:
-        """One no-grad head (``logp`` or ``value``) for the whole batch, micro-batch by micro-batch.
-
-        Returns:
-            Shape: (B, L-1)
-        """
-        out = torch.zeros(traj.action_mask.shape, device=self.device)
-        rows = torch.arange(len(traj), device=self.device)
-        for index in self.micro_chunks(rows, self.row_lengths(traj), len(traj)):
-            value = self.policy.forward_heads(
-                traj.select(index),
-                (head,),
-                temperature=self.sampling.temperature,
-                chunk_rows=self.hp.chunk_rows,
-                reference=reference,
-            )[head]
-            out[index, : value.shape[1]] = value.float()
-        return out
+        """No-grad log-probs of every action token, micro-batch by micro-batch. Shape: (B, L-1)"""
+        return no_grad_head(
+            self.policy, traj, self.plan, "logp", self.sampling.temperature, self.hp.chunk_rows, reference
+        )
 
     # ---------------------------------------------------------------- scoring
     def score(
@@ -334,48 +264,57 @@ class RolloutModule(RolloutEvaluation):
         old_logp: torch.Tensor | None,
         ref_logp: torch.Tensor | None,
     ) -> Metrics:
+        """``update_epochs`` passes over the batch, one optimizer step per mini-batch. Every rank
+        takes the same number of optimizer steps; micro-batch counts may differ freely."""
         sched = cast(LRScheduler, self.lr_schedulers())
-        adv, loss_mask = scored.adv, scored.mask
-        objective = self.objective_for(scored)
-        n = len(traj)
-        mini = self.mini_batch_size(n)
-        lengths = self.row_lengths(traj)
+        plan, n, mask = self.plan, len(traj), scored.mask
+        step = _MiniBatchStep(
+            traj, scored, old_logp, ref_logp, self.objective_for(scored), plan.row_lengths(traj)
+        )
         # Rows whose advantage is 0 everywhere add no gradient unless a KL loss term is used.
-        seq_adv = (adv if adv.dim() == 1 else (adv * loss_mask).abs().sum(-1)) * loss_mask.any(-1)
-        kl_in_loss = self.hp.beta > 0 and self.hp.kl_mode == "loss"
-        skip_zero = not kl_in_loss and self.can_skip_zero_advantage()
-        actor = self.actor_loss_enabled()
-        # Every rank takes the same number of optimizer steps (a rank with fewer rows after
-        # dynamic sampling runs empty mini-batches); micro-batch counts may differ freely.
-        minis = agree_max(-(-n // mini), self.world_size, self.device)
+        seq_adv = (scored.adv if scored.adv.dim() == 1 else (scored.adv * mask).abs().sum(-1)) * mask.any(-1)
+        skip_zero = not (self.hp.beta > 0 and self.hp.kl_mode == "loss") and self.can_skip_zero_advantage()
+        minis = plan.mini_batch_count(n, self.device)
         acc = MetricAccumulator()
-        for epoch in range(self.hp.update_epochs):
-            order = torch.randperm(n, device=self.device) if n > mini else torch.arange(n, device=self.device)
-            batches = list(order.split(mini))
-            batches += [order[:0]] * (minis - len(batches))
-            for j, mb in enumerate(batches):
-                self.report_phase(f"update {epoch * minis + j + 1}/{self.hp.update_epochs * minis}")
-                # Normalisers of the whole mini-batch, global over ranks.
-                norm = self.normalisers(loss_mask[mb], mb, scored)
+        for epoch in range(plan.update_epochs):
+            for j, mb in enumerate(plan.epoch_batches(n, minis, self.device)):
+                self.report_phase(f"update {epoch * minis + j + 1}/{plan.update_epochs * minis}")
                 run = mb[seq_adv[mb] != 0] if skip_zero else mb
-                mb_loss = torch.zeros((), device=self.device)
-                mb_actor = torch.zeros((), device=self.device)
-                for index, weight in self.lockstep(self.micro_chunks(run, lengths, mini)):
-                    loss, m = self.micro_step(
-                        traj, scored, old_logp, ref_logp, index, norm, objective, actor, weight
-                    )
-                    self.backward_(loss)
-                    if not weight:
-                        continue  # FSDP padding: same passes as the other ranks, no gradient
-                    mb_loss = mb_loss + loss.detach()
-                    mb_actor = mb_actor + m.pop("actor/loss_part", torch.zeros((), device=self.device))
-                    acc.add(m, weight=loss_mask[index].sum())
-                grad_metrics = self.optimizer_step_()
-                acc.add({"actor/loss": mb_actor, "train/loss": mb_loss, **grad_metrics})
+                self.mini_batch_step(step, mb, run, plan.mini(n), acc)
         out = acc.result()
         out["actor/lr"] = torch.tensor(sched.get_last_lr()[0])
         out["actor/skipped_rows_frac"] = (seq_adv == 0).float().mean() if skip_zero else torch.zeros(())
         return {k: v.detach().float().cpu() for k, v in out.items()}
+
+    def mini_batch_step(
+        self, step: _MiniBatchStep, mb: torch.Tensor, run: torch.Tensor, mini: int, acc: MetricAccumulator
+    ) -> None:
+        """One optimizer step on mini-batch ``mb`` (row indices), accumulated over micro-batches of
+        the rows that ``run``; normalised by the whole mini-batch, global over ranks."""
+        norm = self.normalisers(step.scored.mask[mb], mb, step.scored)
+        actor = self.actor_loss_enabled()
+        zero = torch.zeros((), device=self.device)
+        mb_loss, mb_actor = zero, zero
+        for index, weight in self.lockstep(self.plan.micro_chunks(run, step.lengths, mini)):
+            loss, m = self.micro_step(
+                step.traj,
+                step.scored,
+                step.old_logp,
+                step.ref_logp,
+                index,
+                norm,
+                step.objective,
+                actor,
+                weight,
+            )
+            self.backward_(loss)
+            if not weight:
+                continue  # FSDP padding: same passes as the other ranks, no gradient
+            mb_loss = mb_loss + loss.detach()
+            mb_actor = mb_actor + m.pop("actor/loss_part", zero)
+            acc.add(m, weight=step.scored.mask[index].sum())
+        grad_metrics = self.optimizer_step_()
+        acc.add({"actor/loss": mb_actor, "train/loss": mb_loss, **grad_metrics})
 
     def actor_loss_enabled(self) -> bool:
         """False while only a critic trains (PPO's critic warm-up)."""
@@ -415,17 +354,8 @@ class RolloutModule(RolloutEvaluation):
     ) -> tuple[torch.Tensor, Metrics]:
         """The loss of one micro-batch, already normalised for the whole mini-batch, times
         ``weight`` (0 for FSDP's padding micro-batches; a separate critic pass is scaled too)."""
-        sub = traj.select(index)
-        width = sub.action_mask.shape[1]
-        adv = scored.adv
-        mb = MicroBatch(
-            sub=sub,
-            index=index,
-            adv=adv[index] if adv.dim() == 1 else adv[index][:, :width],
-            mask=scored.mask[index][:, :width],
-            old_logp=_rows(old_logp, index, width),
-            ref_logp=_rows(ref_logp, index, width) if self.hp.kl_mode == "loss" else None,
-            critic=scored.critic.rows(index, width) if scored.critic is not None else None,
+        mb = MicroBatch.rows_of(
+            traj, scored, index, old_logp, ref_logp if self.hp.kl_mode == "loss" else None
         )
         if weight == 1.0:
             return objective(self.policy, mb, norm, self.backward_, actor)
@@ -437,35 +367,10 @@ class RolloutModule(RolloutEvaluation):
         return self.hp.max_len_norm or self.sampling.max_new_tokens
 
     # ---------------------------------------------------------------- metrics and samples
-    def rollout_metrics(self, traj: TrajectoryBatch, result: RolloutResult) -> Metrics:
-        returns = traj.returns.float()
-        out = {
-            "rollout/reward_mean": returns.mean(),
-            "rollout/reward_std": returns.std() if len(returns) > 1 else torch.zeros(()),
-            "rollout/completion_len": traj.action_mask.sum(-1).float().mean(),
-            # at most one token (an eos): what a collapsed policy produces
-            "rollout/empty_frac": (traj.action_mask.sum(-1) <= 1).float().mean(),
-        }
-        out.update(turn_metrics(traj.turn_lengths, traj.rewards, traj.truncated))
-        out.update({k: torch.tensor(v) for k, v in result.metrics.items()})
-        return {k: v.detach().float().cpu() for k, v in out.items()}
-
     def warn_on_engine_gap(self, metrics: Metrics) -> None:
         """Warn (at most every 100 steps) when the engine and the trainer disagree noticeably."""
-        gap, clip = metrics.get("is/gap_mean"), metrics.get("is/clip_frac")
-        if gap is None or clip is None or self.global_step - self._warned_gap_at < 100:
-            return
-        if float(gap) > IS_GAP_WARN or float(clip) > IS_CLIP_WARN:
+        if self.global_step - self._warned_gap_at >= 100 and warn_on_engine_gap(metrics, self.hp.tis_cap):
             self._warned_gap_at = self.global_step
-            log.warning(
-                "rollout engine and trainer log-probs differ: mean gap %.3f nats (warn > %.2f), "
-                "%.1f%% of importance weights truncated at %s (warn > %.0f%%); check dtype and sampling settings",
-                float(gap),
-                IS_GAP_WARN,
-                100 * float(clip),
-                self.hp.tis_cap,
-                100 * IS_CLIP_WARN,
-            )
 
     def keep_samples(self, result: RolloutResult) -> None:
         self.last_samples = [
@@ -483,6 +388,4 @@ class RolloutModule(RolloutEvaluation):
             return 1
         if trainer.max_steps and trainer.max_steps > 0:
             return trainer.max_steps
-        n = self.rollout_batch_size
-        per_batch = self.hp.update_epochs * (n // self.mini_batch_size(n))
-        return max(int(trainer.estimated_stepping_batches) * per_batch, 1)
+        return max(int(trainer.estimated_stepping_batches) * self.plan.optimizer_steps_per_batch(), 1)

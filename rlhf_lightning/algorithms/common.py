@@ -1,10 +1,9 @@
-"""Pieces every algorithm module shares: metric averaging, logging at the optimizer step,
-the AdamW + warm-up/cosine optimiser, one optimizer-step helper (clip, step, zero, schedule,
-reference refresh), and checkpoints that hold trainable weights only."""
+"""Pieces every algorithm module shares, online and offline: metric averaging, logging at the
+optimizer step, the optimizer step in order (its parts in ``optimizer.py``), and checkpoints
+that hold trainable weights only."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any, ClassVar, cast
 
 import lightning as L
@@ -12,19 +11,12 @@ import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from rlhf_lightning.algorithms.optimizer import StepHealth, clip_global_norm, refresh_reference
 from rlhf_lightning.algorithms.records import StepSummary
+from rlhf_lightning.algorithms.update_plan import lockstep
 from rlhf_lightning.models.sharding import is_sharded
 from rlhf_lightning.runtime import rng
-from rlhf_lightning.runtime.distributed import (
-    agree_max,
-    all_sum,
-    clip_by_norm,
-    grad_norm,
-    no_backward_sync,
-    reduce_metrics,
-    sync_gradients,
-)
-from rlhf_lightning.runtime.schedule import warmup_cosine
+from rlhf_lightning.runtime.distributed import all_sum, no_backward_sync, reduce_metrics, sync_gradients
 from rlhf_lightning.strategies import split_global
 
 Metrics = dict[str, torch.Tensor]
@@ -52,35 +44,28 @@ class MetricAccumulator:
         return {k: self.sums[k] / self.weights[k].clamp(min=1e-12) for k in self.sums}
 
 
-def adamw_with_schedule(params: Iterable[Any], hp: Any, total_steps: int) -> dict[str, Any]:
-    """AdamW and a per-step warm-up + cosine schedule, from an algorithm config's fields.
-
-    ``params``: parameters, or param-group dicts (a group may set its own ``lr``)."""
-    opt = torch.optim.AdamW(
-        list(params), lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.adam_betas), eps=hp.adam_eps
-    )
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt,
-        lambda s: warmup_cosine(
-            s, warmup_steps=hp.warmup_steps, total_steps=total_steps, min_lr_ratio=hp.min_lr_ratio
-        ),
-    )
-    return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-
 class ModuleMixin(L.LightningModule):
     """Logging at ``step`` = optimizer updates done, one optimizer step, trainable-only checkpoints.
 
-    Modules set ``policy`` and ``hp`` (with ``grad_clip`` and ``ref_update_interval``).
+    Args:
+        policy: the trainable policy (:class:`~rlhf_lightning.models.policy.Policy`).
+        hp: the algorithm's config dataclass; the optimizer step reads ``lr`` and the AdamW
+            fields, ``grad_clip`` and ``ref_update_interval``.
     """
 
-    policy: Any
-    hp: Any
     _grad_metrics: Metrics
     # Whether ``training_step`` generates (rollout algorithms): the engine callback wakes the
     # engine before each training batch only then.
     generates_in_training_step: ClassVar[bool] = False
     last_step: StepSummary | None = None  # the last training step's summary (log_step)
+
+    def __init__(self, policy: Any, hp: Any) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        # Checkpoints hold trainable weights only; the frozen base reloads from model.path.
+        self.strict_loading = False
+        self.policy, self.hp = policy, hp
+        self.health = StepHealth()  # steps skipped for a non-finite gradient (checkpointed)
 
     @property
     def world_size(self) -> int:
@@ -111,18 +96,8 @@ class ModuleMixin(L.LightningModule):
         return all_sum(count, self.world_size) / self.world_size
 
     def lockstep(self, chunks: list[torch.Tensor]) -> list[tuple[torch.Tensor, float]]:
-        """The micro-batches (row indices) to run, each with its loss weight.
-
-        Under FSDP a sharded forward is a collective, so every rank runs as many micro-batches
-        as the rank with the most: the others pad with zero-weight passes over their row 0.
-        Otherwise ranks run what they have (gradients are averaged once per step).
-        """
-        out = [(index, 1.0) for index in chunks]
-        if not self.sharded:
-            return out
-        count = agree_max(len(chunks), self.world_size, self.device)
-        pad = torch.zeros(1, dtype=torch.long, device=self.device)
-        return out + [(pad, 0.0)] * (count - len(chunks))
+        """The micro-batches to run with their loss weights (:func:`~.update_plan.lockstep`)."""
+        return lockstep(chunks, self.sharded, self.world_size, self.device)
 
     def backward_(self, loss: torch.Tensor) -> None:
         """``manual_backward`` without DDP's per-backward all-reduce: gradients accumulate locally
@@ -152,43 +127,35 @@ class ModuleMixin(L.LightningModule):
         self._grad_metrics = self.clip_gradients_(optimizer)
         self.skip_if_nonfinite(self._grad_metrics)
 
-    nonfinite_streak = 0  # optimizer steps in a row skipped for a non-finite gradient (the guard reads it)
-    skipped_steps = 0
+    @property
+    def nonfinite_streak(self) -> int:
+        return self.health.nonfinite_streak
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.health.skipped_steps
 
     def skip_if_nonfinite(self, grad_metrics: Metrics) -> None:
-        """Drop the gradients of a step whose gradient norm is not finite: AdamW leaves
-        parameters without a gradient untouched, so the weights keep their last good values.
-        The norms are global, so every rank decides the same. (fp16 loss scaling skips such
-        steps itself while it calibrates; they are not counted then.)"""
+        """Drop a step's gradients when a gradient norm is not finite (:class:`StepHealth`)."""
         norms = [v for k, v in grad_metrics.items() if k.endswith("grad_norm")]
-        if not norms or bool(torch.stack([n.float() for n in norms]).isfinite().all()):
-            self.nonfinite_streak = 0
-        else:
-            for p in self.policy.trainable_parameters():
-                p.grad = None
-            if self._trainer is None or str(self.trainer.precision) not in ("16-mixed", "16"):
-                self.nonfinite_streak += 1
-                self.skipped_steps += 1
+        counted = self._trainer is None or str(self.trainer.precision) not in ("16-mixed", "16")
+        self.health.skip_if_nonfinite(norms, self.policy.trainable_parameters(), counted)
         grad_metrics["guard/skipped_steps"] = torch.tensor(float(self.skipped_steps))
 
     def clip_gradients_(self, optimizer: Any) -> Metrics:
         """Clip all trainable gradients by their global norm (``algo.grad_clip``) through Lightning."""
-        params = self.policy.trainable_parameters()
-        norm = grad_norm(params, self.world_size)
-        if self.hp.grad_clip is not None and self.sharded:
-            clip_by_norm(params, self.hp.grad_clip, norm)  # Lightning's clipping wants one tensor type
-        elif self.hp.grad_clip is not None:
-            self.clip_gradients(
-                optimizer, gradient_clip_val=self.hp.grad_clip, gradient_clip_algorithm="norm"
-            )
+        norm = clip_global_norm(
+            self.policy.trainable_parameters(),
+            self.hp.grad_clip,
+            self.world_size,
+            self.sharded,
+            lambda v: self.clip_gradients(optimizer, gradient_clip_val=v, gradient_clip_algorithm="norm"),
+        )
         return {"actor/grad_norm": norm}
 
     def maybe_update_reference(self) -> None:
-        """Copy the actor onto the reference adapter every ``algo.ref_update_interval`` optimizer
-        steps (validation makes sure there is a separate reference adapter to copy onto)."""
-        interval = self.hp.ref_update_interval
-        if interval and self.global_step % interval == 0:
-            self.policy.copy_actor_to_reference()
+        """The reference refresh every ``algo.ref_update_interval`` optimizer steps."""
+        refresh_reference(self.policy, self.hp.ref_update_interval, self.global_step)
 
     def log_metrics(self, metrics: Metrics) -> dict[str, float]:
         """Send metrics, averaged over ranks, to every logger at ``step`` = optimizer updates done
@@ -220,12 +187,10 @@ class ModuleMixin(L.LightningModule):
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
         checkpoint["trainable_only"] = True
         checkpoint["rng_states"] = rng.gather(rng.capture(self.rng_generators()), self.world_size)
-        checkpoint["guard"] = {"nonfinite_streak": self.nonfinite_streak, "skipped_steps": self.skipped_steps}
+        checkpoint["guard"] = self.health.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        guard = checkpoint.get("guard", {})
-        self.nonfinite_streak = guard.get("nonfinite_streak", 0)
-        self.skipped_steps = guard.get("skipped_steps", 0)
+        self.health.load_state_dict(checkpoint.get("guard", {}))
         states = checkpoint.get("rng_states")
         if states:
             self._pending_rng = states[self.rank] if self.rank < len(states) else states[0]

@@ -12,9 +12,15 @@ Turns beyond :data:`MAX_TURN_METRICS` are left out (a metric per turn would floo
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 import torch
 
+log = logging.getLogger(__name__)
+
 MAX_TURN_METRICS = 8
+IS_GAP_WARN, IS_CLIP_WARN = 0.1, 0.02  # nats; share of truncated weights
 
 
 def per_turn_means(values: torch.Tensor, present: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
@@ -38,3 +44,39 @@ def turn_metrics(
     out = {"rollout/env_ended_frac": (~truncated.detach().cpu()).float().mean()}
     out.update(per_turn_means(rewards, reached, "rollout/reward_turn"))
     return out
+
+
+def rollout_metrics(traj: Any, harness_metrics: dict[str, float]) -> dict[str, torch.Tensor]:
+    """A training batch's ``rollout/*`` metrics (reward, length, empty share, turns) and the
+    harness's own, on the CPU. ``traj``: the step's
+    :class:`~rlhf_lightning.envs.trajectory.TrajectoryBatch`."""
+    returns = traj.returns.float()
+    out = {
+        "rollout/reward_mean": returns.mean(),
+        "rollout/reward_std": returns.std() if len(returns) > 1 else torch.zeros(()),
+        "rollout/completion_len": traj.action_mask.sum(-1).float().mean(),
+        # at most one token (an eos): what a collapsed policy produces
+        "rollout/empty_frac": (traj.action_mask.sum(-1) <= 1).float().mean(),
+    }
+    out.update(turn_metrics(traj.turn_lengths, traj.rewards, traj.truncated))
+    out.update({k: torch.tensor(v) for k, v in harness_metrics.items()})
+    return {k: v.detach().float().cpu() for k, v in out.items()}
+
+
+def warn_on_engine_gap(metrics: dict[str, torch.Tensor], tis_cap: float | None) -> bool:
+    """Warn when the engine's and the trainer's log-probs disagree noticeably (``is/gap_mean``
+    above :data:`IS_GAP_WARN` nats, or ``is/clip_frac`` above :data:`IS_CLIP_WARN`); returns
+    whether it warned."""
+    gap, clip = metrics.get("is/gap_mean"), metrics.get("is/clip_frac")
+    if gap is None or clip is None or (float(gap) <= IS_GAP_WARN and float(clip) <= IS_CLIP_WARN):
+        return False
+    log.warning(
+        "rollout engine and trainer log-probs differ: mean gap %.3f nats (warn > %.2f), "
+        "%.1f%% of importance weights truncated at %s (warn > %.0f%%); check dtype and sampling settings",
+        float(gap),
+        IS_GAP_WARN,
+        100 * float(clip),
+        tis_cap,
+        100 * IS_CLIP_WARN,
+    )
+    return True

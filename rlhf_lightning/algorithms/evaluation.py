@@ -102,7 +102,6 @@ class RolloutEvaluation(ModuleMixin):
     sampling: SamplingParams
     harness: Any
     engine: Any
-    policy: Any
     eval_greedy: bool
     eval_sampled: bool
     eval_num_samples: int = 1

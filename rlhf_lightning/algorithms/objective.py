@@ -21,7 +21,7 @@ import torch
 
 from rlhf_lightning.algorithms.common import Metrics
 from rlhf_lightning.algorithms.critic import reduce_to_steps
-from rlhf_lightning.algorithms.records import CriticTargets
+from rlhf_lightning.algorithms.records import CriticTargets, Scored
 from rlhf_lightning.envs.trajectory import TrajectoryBatch
 from rlhf_lightning.losses import aggregate, get_policy_loss, kl
 from rlhf_lightning.losses.corrections import truncated_importance_weights
@@ -54,6 +54,30 @@ class MicroBatch:
     old_logp: torch.Tensor | None
     ref_logp: torch.Tensor | None
     critic: CriticTargets | None = None
+
+    @classmethod
+    def rows_of(
+        cls,
+        traj: TrajectoryBatch,
+        scored: Scored,
+        index: torch.Tensor,
+        old_logp: torch.Tensor | None,
+        ref_logp: torch.Tensor | None,
+    ) -> MicroBatch:
+        """Rows ``index`` of a scored batch, every per-token tensor trimmed to the rows' longest
+        sequence. Shapes: old_logp, ref_logp (B, T) or None; index (b,)"""
+        sub = traj.select(index)
+        width = sub.action_mask.shape[1]
+        adv = scored.adv
+        return cls(
+            sub=sub,
+            index=index,
+            adv=adv[index] if adv.dim() == 1 else adv[index][:, :width],
+            mask=scored.mask[index][:, :width],
+            old_logp=None if old_logp is None else old_logp[index][:, :width],
+            ref_logp=None if ref_logp is None else ref_logp[index][:, :width],
+            critic=scored.critic.rows(index, width) if scored.critic is not None else None,
+        )
 
 
 class Objective(Protocol):

@@ -10,8 +10,9 @@ from typing import Any
 
 import torch
 
-from rlhf_lightning.algorithms.common import MetricAccumulator, Metrics, adamw_with_schedule
+from rlhf_lightning.algorithms.common import MetricAccumulator, Metrics
 from rlhf_lightning.algorithms.evaluation import RolloutEvaluation
+from rlhf_lightning.algorithms.optimizer import adamw_with_schedule
 from rlhf_lightning.envs.harness import RolloutHarness
 from rlhf_lightning.envs.trajectory import TrajectoryBatch
 from rlhf_lightning.models.policy import Policy
@@ -36,10 +37,7 @@ class OfflineModule(RolloutEvaluation):
         eval_sampled: bool = True,
         eval_num_samples: int = 1,
     ) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-        self.strict_loading = False  # trainable weights only, as in RolloutModule
-        self.policy, self.hp = policy, hp
+        super().__init__(policy, hp)
         self.harness, self.engine = harness, engine
         self.sampling = sampling or SamplingParams()
         self.eval_greedy, self.eval_sampled, self.eval_num_samples = (

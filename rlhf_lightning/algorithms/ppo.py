@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from rlhf_lightning.algorithms.base import RolloutModule
 from rlhf_lightning.algorithms.checks import validate_ppo
-from rlhf_lightning.algorithms.common import Metrics, adamw_with_schedule
+from rlhf_lightning.algorithms.common import Metrics
 from rlhf_lightning.algorithms.critic import (
     explained_variance,
     reduce_to_steps,
@@ -20,6 +20,7 @@ from rlhf_lightning.algorithms.critic import (
 )
 from rlhf_lightning.algorithms.diagnostics import per_turn_means
 from rlhf_lightning.algorithms.objective import CriticTerm, Objective, PolicyObjective, PolicyTerm
+from rlhf_lightning.algorithms.optimizer import adamw_with_schedule
 from rlhf_lightning.algorithms.records import Advantages, CriticTargets, Scored
 from rlhf_lightning.algorithms.spec import AlgorithmSpec, register_algorithm
 from rlhf_lightning.config import PPOConfig
@@ -114,7 +115,8 @@ class PPOModule(RolloutModule):
         values = torch.zeros(traj.action_mask.shape, device=self.device)
         boot = torch.zeros(len(traj), device=self.device)
         rows = torch.arange(len(traj), device=self.device)
-        for index in self.micro_chunks(rows, self.row_lengths(traj), len(traj), extra=1):
+        plan = self.plan
+        for index in plan.micro_chunks(rows, plan.row_lengths(traj), len(traj), extra=1):
             sub = traj.select(index)  # (b, w)
             w = sub.input_ids.shape[1]
             last = sub.attention_mask.sum(-1) - 1  # (b,) each row's last token

@@ -19,11 +19,13 @@ from typing import Any
 import torch
 
 from rlhf_lightning.algorithms.records import Advantages, Metrics, Scored
-from rlhf_lightning.envs.trajectory import TrajectoryBatch
+from rlhf_lightning.envs.harness import RolloutResult
+from rlhf_lightning.envs.trajectory import TrajectoryBatch, collate
 from rlhf_lightning.losses import kl
 from rlhf_lightning.losses.corrections import offpolicy_mask, overlong_penalty
 from rlhf_lightning.losses.kl import kl_penalized_returns, kl_shaped_advantages
 from rlhf_lightning.losses.masked import masked_mean
+from rlhf_lightning.runtime.distributed import all_sum
 
 # (batch, per-turn rewards (B, K), returns (B,)) -> advantages
 AdvantageFn = Callable[[TrajectoryBatch, torch.Tensor, torch.Tensor], "torch.Tensor | Advantages"]
@@ -137,3 +139,17 @@ class Scorer:
         metrics["actor/adv_mean"] = adv.float().mean() if adv.dim() == 1 else masked_mean(adv, mask)
         out = {k: v.detach().float().cpu() for k, v in metrics.items()}
         return Scored(adv, mask, out, critic=found.critic, level=found.level)
+
+
+def finalize_rewards(
+    result: RolloutResult, reward: Any, pad_token_id: int, world_size: int, device: torch.device
+) -> RolloutResult:
+    """The step's training rewards once its batch is final (after every refill round): the
+    ``reward`` group's batch-normalised components standardised over every rank's batch (a
+    collective), the batch collated again with them. ``reward``: the harness's reward group,
+    or None (the env's rewards stand)."""
+    if reward is None:
+        return result
+    metrics = reward.finalize(result.trajectories, lambda t: all_sum(t, world_size), device=device)
+    batch = collate(result.trajectories, pad_token_id)
+    return RolloutResult(batch, result.trajectories, {**result.metrics, **metrics})

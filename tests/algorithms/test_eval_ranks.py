@@ -127,7 +127,7 @@ class _Evaluation(RolloutEvaluation):
     """The validation loop on a fake rollout: episode i of row r succeeds when r + i is even."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(policy=None, hp=None)
         self.sampling = SamplingParams(4, temperature=1.0)
         self.eval_greedy = self.eval_sampled = True
         self.eval_num_samples = 2
