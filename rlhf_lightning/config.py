@@ -13,6 +13,26 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from rlhf_lightning.algo_config import (
+    DPOConfig,
+    GRPOConfig,
+    OfflineConfig,
+    OptimConfig,
+    PPOConfig,
+    RolloutAlgoConfig,
+    SFTConfig,
+)
+
+__all__ = [  # the algorithm schemas are defined in algo_config.py and stored here
+    "DPOConfig",
+    "GRPOConfig",
+    "OfflineConfig",
+    "OptimConfig",
+    "PPOConfig",
+    "RolloutAlgoConfig",
+    "SFTConfig",
+]
+
 ASSETS = Path(__file__).resolve().parent / "assets"
 
 
@@ -48,154 +68,6 @@ class ModelConfig:
     double_quant: bool = True  # 4bit: quantise the quantisation constants too
     compute_dtype: str = "bfloat16"  # 4bit: the matmuls' dtype
     liger_kernels: bool = False  # GPU: Liger's RoPE, RMSNorm and SwiGLU kernels patched into the model
-
-
-@dataclass
-class OptimConfig:
-    """Optimiser and log-prob settings every algorithm shares."""
-
-    name: str = MISSING
-    module: str = MISSING
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    adam_eps: float = 1e-8
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    grad_clip: float | None = 1.0
-    # Examples (trajectories, pairs) per forward/backward; None: the whole (mini-)batch.
-    micro_batch_size: int | None = None
-    chunk_rows: int | None = None  # log-prob tile rows; None: auto (~256 MB fp32 logits)
-    # Reference policy: the base with adapters disabled (free), or its own frozen LoRA adapter,
-    # copied from the actor every ref_update_interval optimizer steps.
-    use_separate_reference_adapter: bool = False
-    ref_update_interval: int | None = None
-
-
-@dataclass
-class RolloutAlgoConfig(OptimConfig):
-    """What every rollout algorithm shares: clipping, KL, corrections, batch geometry."""
-
-    # token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm (losses/aggregate.py)
-    loss_agg_mode: str = "token_mean"
-    # Clipped surrogate bounds (the ratio is clipped to [1 - clip_low, 1 + clip_high]).
-    # auto: the loss's own (ppo_clip 0.2 / 0.2, cispo none / 4.0, gspo 3e-4 / 4e-4; see
-    # algorithms/checks.py resolve_clip_defaults); a number; or null for no bound.
-    clip_low: Any = "auto"
-    clip_high: Any = "auto"
-    clip_ratio_c: float | None = None
-    is_pooling: str = "mean"  # sequence/turn ratios: mean (geometric mean) | sum (product of token ratios)
-    max_len_norm: int | None = None  # seq_mean_token_sum_norm's constant; default rollout.max_new_tokens
-    whiten_advantages: bool = False
-    # DAPO's soft overlong penalty (arXiv 2503.14476), applied to each turn from its own length.
-    overlong_buffer: int | None = None
-    overlong_penalty_factor: float = 1.0
-    mask_truncated: bool = (
-        False  # episodes with no terminal state, or a reply cut at max_new_tokens, carry no loss
-    )
-    # KL to the reference policy.
-    beta: float = 0.0
-    kl_estimator: str = "k3"
-    kl_clamp: float | None = 10.0  # per-token clamp
-    kl_mode: str = "loss"  # loss | reward (subtracted from the return) | advantage (per-token shaping)
-    kl_importance_weighted: bool = False  # weight the KL term by pi/pi_old: unbiased KL gradient
-    # Off-policy corrections (rollout engine vs trainer).
-    old_logprobs_source: str = "trainer"  # trainer (recompute) | rollout (engine's sampling log-probs)
-    tis_cap: float | None = 2.0  # truncated importance sampling cap; null disables
-    # Keep tokens whose trainer/engine ratio lies inside [low, high]; drop sequences whose mean
-    # engine-trainer log-ratio exceeds the threshold.
-    offpolicy_token_bounds: list[float] | None = None
-    offpolicy_seq_threshold: float | None = None
-    # Batch geometry, in trajectories (prompts_per_step x group_size per rollout step).
-    group_size: int = 8
-    prompts_per_step: int = 16
-    mini_batch_size: int | None = None  # per optimizer step; None: the whole rollout batch
-    # Micro-batches by token budget instead of micro_batch_size rows: consecutive rows packed while
-    # rows x the longest row's length stays within this many tokens (per rank); a longer row alone.
-    micro_batch_tokens: int | None = None
-    update_epochs: int = 1
-    use_liger_loss: bool = False  # Liger's fused linear loss on GPU, for the combinations it covers
-
-
-@dataclass
-class GRPOConfig(RolloutAlgoConfig):
-    """The GRPO family (GRPO, CISPO, DAPO, Dr.GRPO, GSPO, RLOO, REINFORCE++): one module."""
-
-    name: str = "grpo"
-    module: str = "grpo"
-    # Objective: a name in rlhf_lightning.losses.POLICY_LOSSES (its hyper-parameters are bound
-    # explicitly by the loss's own params class).
-    loss: str = "ppo_clip"
-    # Keyword arguments of the loss's params class on top of the shared fields: the
-    # hyper-parameters of a loss defined outside the package (algo.loss=my_pkg.losses.my_loss
-    # +algo.loss_kwargs.alpha=0.5); each key must be a field of that class.
-    loss_kwargs: dict[str, Any] = field(default_factory=dict)
-    is_level: str = "sequence"  # gspo: pool the ratio per sequence | turn
-    # Advantages: a group estimator in rlhf_lightning.losses.ADVANTAGE_ESTIMATORS.
-    advantage: str = "grpo"
-    advantage_scale: str = "group"  # grpo: divide by the group | batch std, or none
-    advantage_clip: float | None = None  # clip advantages to [-c, c]
-    # DAPO extras (arXiv 2503.14476).
-    dynamic_sampling: bool = False  # drop groups with equal rewards, refill with new prompts
-    max_resample_rounds: int = 3  # refill rounds per step (0: only drop)
-    # Skip rows whose advantage is 0 in forward/backward (the same gradient without a KL loss term).
-    skip_zero_advantage: bool = True
-
-
-@dataclass
-class PPOConfig(RolloutAlgoConfig):
-    """LLM-PPO: a critic adapter with a value head, turn-level GAE (each generated turn is one action)."""
-
-    name: str = "ppo"
-    module: str = "ppo"
-    gamma: float = 1.0  # discount across turns (or tokens at token granularity)
-    gae_lambda: float = 0.95
-    advantage_granularity: str = "auto"  # turn | token | auto (token when every episode is single-turn)
-    # A turn's state value from its tokens' values: state (the value before its first action
-    # token: V(s_k)) | mean | final_value (AgileRL's choices; both have seen part of the action)
-    turn_value_reduction: str = "state"
-    importance_sampling_level: str = "token"  # token | turn | trajectory | auto (turn when multi-turn)
-    vf_coef: float = 0.5
-    value_clip: float | None = 0.2
-    lr_critic: float | None = None  # default: lr
-    share_grad_clip: bool = True  # clip actor and critic by their combined norm (else each separately)
-    critic_warmup_steps: int = 0  # first learn steps update the critic only, on Monte-Carlo returns
-    entropy_coef: float = 0.0
-    # One backward for actor and critic losses of a micro-batch; false: two (less activation memory).
-    fuse_actor_critic_pass: bool = True
-
-
-@dataclass
-class OfflineConfig(OptimConfig):
-    """Supervised and preference training on a local file."""
-
-    data_path: str | None = None  # .jsonl / .json / .parquet; default: the shipped arithmetic sample
-    eval_data_path: str | None = None  # default: the last eval_fraction of data_path
-    eval_fraction: float = 0.1
-    prompt_key: str = "prompt"
-    batch_size: int = 64  # examples (pairs for DPO) per optimizer step
-    max_len: int = 512  # longer examples are dropped and counted
-    env_eval: bool = True  # also evaluate greedy/sampled accuracy on the env's eval split
-
-
-@dataclass
-class SFTConfig(OfflineConfig):
-    name: str = "sft"
-    module: str = "sft"
-    messages_key: str = "messages"  # chat rows; else prompt_key / completion_key
-    completion_key: str = "completion"
-    packing: bool = False  # several examples per row of up to max_len tokens (attention kept per example)
-
-
-@dataclass
-class DPOConfig(OfflineConfig):
-    name: str = "dpo"
-    module: str = "dpo"
-    chosen_key: str = "chosen"
-    rejected_key: str = "rejected"
-    beta: float = 0.1
-    loss_type: str = "sigmoid"  # sigmoid (DPO) | ipo
-    label_smoothing: float = 0.0
 
 
 @dataclass

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from rlhf_lightning import algo_config as algo_config_module
 from rlhf_lightning import config as config_module
 from tests.conftest import ROOT
 
@@ -28,11 +29,12 @@ CELL_SPLIT = re.compile(r"(?<!\\)\|")
 
 
 def schema_classes() -> dict[str, type]:
-    """Every dataclass defined in rlhf_lightning/config.py, found by introspection."""
+    """Every dataclass defined in rlhf_lightning/config.py and algo_config.py, found by introspection."""
     return {
         name: obj
         for name, obj in inspect.getmembers(config_module, inspect.isclass)
-        if dataclasses.is_dataclass(obj) and obj.__module__ == config_module.__name__
+        if dataclasses.is_dataclass(obj)
+        and obj.__module__ in (config_module.__name__, algo_config_module.__name__)
     }
 
 
@@ -100,7 +102,11 @@ def test_every_field_of_every_schema_is_on_the_page_with_its_default(page):
 
 def test_field_comments_are_read_from_the_source(page):
     found = tables(page)
-    source = (ROOT / "rlhf_lightning" / "config.py").read_text().splitlines()
+    source = [
+        line
+        for name in ("config.py", "algo_config.py")
+        for line in (ROOT / "rlhf_lightning" / name).read_text().splitlines()
+    ]
     # A trailing comment: the text after '#' on the kl_mode line, read here independently.
     kl_line = next(line for line in source if line.strip().startswith("kl_mode:"))
     assert unescape(found["RolloutAlgoConfig"]["kl_mode"][2]) == kl_line.split("#", 1)[1].strip()
