@@ -196,6 +196,15 @@ def validate(cfg: DictConfig) -> None:
     from rlhf_lightning.population.checks import validate_population
 
     validate_population(cfg.population, spec, cfg)
+    validate_reward_and_env(cfg)
+    check(cfg.logger.name in LOGGERS, "logger.name", cfg.logger.name, f"one of {', '.join(LOGGERS)}")
+    validate_strategy(cfg)
+    validate_run_fields(cfg)
+
+
+def validate_reward_and_env(cfg: DictConfig) -> None:
+    """The ``reward`` sources' required fields and the ``env`` node (its class, turns,
+    concurrency, timeouts, model length)."""
     rw = cfg.reward
     check(
         "function" not in rw.sources or rw.fn is not None,
@@ -231,8 +240,10 @@ def validate(cfg: DictConfig) -> None:
         e.max_model_len,
         f"more than rollout.max_new_tokens ({cfg.rollout.max_new_tokens})",
     )
-    check(cfg.logger.name in LOGGERS, "logger.name", cfg.logger.name, f"one of {', '.join(LOGGERS)}")
-    validate_strategy(cfg)
+
+
+def validate_run_fields(cfg: DictConfig) -> None:
+    """The run's own fields: threads, seed, progress, the optimized metric, eval and checkpoints."""
     check(cfg.num_threads is None or cfg.num_threads > 0, "num_threads", cfg.num_threads, "> 0, or null")
     check(
         0 <= cfg.seed < 2**32,

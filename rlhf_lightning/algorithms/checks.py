@@ -95,8 +95,24 @@ def validate_dpo(a: DictConfig, cfg: DictConfig) -> None:
 
 
 def validate_rollout_algo(a: DictConfig, cfg: DictConfig) -> None:
-    """What every rollout algorithm shares (batch geometry, clipping, KL, corrections, Liger)."""
-    rollout = cfg.rollout
+    """What every rollout algorithm shares (batch geometry, clipping, KL, corrections, Liger),
+    checked in that order (the first bad field is the one named)."""
+    check_names_and_batches(a)
+    check_clipping(a)
+    check_shaping_and_corrections(a, cfg.rollout.max_new_tokens)
+    if a.use_liger_loss:
+        reason = liger_unsupported(a)
+        check(
+            reason is None,
+            "algo.use_liger_loss",
+            True,
+            f"Liger's fused loss does not cover {reason}; set algo.use_liger_loss=false",
+        )
+
+
+def check_names_and_batches(a: DictConfig) -> None:
+    """The aggregation and KL estimator names, and the batch geometry: group, prompts,
+    mini- and micro-batches (rows or tokens), epochs."""
     check(
         a.loss_agg_mode in AGGREGATION_MODES,
         "algo.loss_agg_mode",
@@ -145,6 +161,10 @@ def validate_rollout_algo(a: DictConfig, cfg: DictConfig) -> None:
         f"null with algo.micro_batch_tokens={tokens}: set one of the two",
     )
     check(a.update_epochs >= 1, "algo.update_epochs", a.update_epochs, "at least 1")
+
+
+def check_clipping(a: DictConfig) -> None:
+    """The KL coefficient and clamp, and the ratio's clip bounds (numbers, null or auto)."""
     check(a.beta >= 0, "algo.beta", a.beta, "a KL coefficient >= 0")
     check(a.kl_clamp is None or a.kl_clamp > 0, "algo.kl_clamp", a.kl_clamp, "> 0, or null")
     for key in CLIP_FIELDS:
@@ -175,6 +195,11 @@ def validate_rollout_algo(a: DictConfig, cfg: DictConfig) -> None:
         a.clip_ratio_c,
         "a dual-clip bound > 1, or null",
     )
+
+
+def check_shaping_and_corrections(a: DictConfig, max_new_tokens: int) -> None:
+    """Length normalisation, pooling, the overlong penalty, the KL's place, the behaviour
+    log-probs' source and the importance corrections and off-policy masks."""
     check(
         a.max_len_norm is None or a.max_len_norm > 0,
         "algo.max_len_norm",
@@ -183,10 +208,10 @@ def validate_rollout_algo(a: DictConfig, cfg: DictConfig) -> None:
     )
     check(a.is_pooling in ("mean", "sum"), "algo.is_pooling", a.is_pooling, "one of mean, sum")
     check(
-        a.overlong_buffer is None or 0 < a.overlong_buffer <= rollout.max_new_tokens,
+        a.overlong_buffer is None or 0 < a.overlong_buffer <= max_new_tokens,
         "algo.overlong_buffer",
         a.overlong_buffer,
-        f"a token count in [1, rollout.max_new_tokens={rollout.max_new_tokens}], or null",
+        f"a token count in [1, rollout.max_new_tokens={max_new_tokens}], or null",
     )
     check(a.overlong_penalty_factor >= 0, "algo.overlong_penalty_factor", a.overlong_penalty_factor, ">= 0")
     check(
@@ -220,14 +245,6 @@ def validate_rollout_algo(a: DictConfig, cfg: DictConfig) -> None:
         a.offpolicy_seq_threshold,
         "> 0 nats, or null",
     )
-    if a.use_liger_loss:
-        reason = liger_unsupported(a)
-        check(
-            reason is None,
-            "algo.use_liger_loss",
-            True,
-            f"Liger's fused loss does not cover {reason}; set algo.use_liger_loss=false",
-        )
 
 
 def validate_grpo(a: DictConfig, cfg: DictConfig) -> None:
