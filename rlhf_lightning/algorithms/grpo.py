@@ -32,7 +32,9 @@ class GRPOModule(RolloutModule):
 
     def setup(self, stage: str) -> None:
         self.advantage_fn = get_advantage_estimator(self.hp.advantage)
-        self.advantage_kwargs = ADVANTAGE_ESTIMATORS.meta(self.hp.advantage)["bind"](self.hp)
+        # The estimator's keyword ``x`` is set by the config's ``advantage_x``.
+        names = ADVANTAGE_ESTIMATORS.meta(self.hp.advantage).get("params", ())
+        self.advantage_kwargs = {name: getattr(self.hp, f"advantage_{name}") for name in names}
         # Refill prompts differ per rank (each rank draws its own).
         self.row_generator = torch.Generator().manual_seed(torch.initial_seed() % 2**31 + 7919 * self.rank)
 

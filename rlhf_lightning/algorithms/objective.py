@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
 import torch
@@ -103,12 +103,12 @@ class PolicyTerm:
 
     @classmethod
     def bind(cls, name: str, hp: Any, per_turn: bool = False) -> PolicyTerm:
-        """The loss ``name`` with its params class bound from ``hp`` (a class without ``bind``,
-        e.g. a loss defined outside the package, starts from its defaults), then
-        ``hp.loss_kwargs`` on top (checked at start-up against the class's fields)."""
+        """The loss ``name`` with its params class's fields bound by name from ``hp`` (a field the
+        config does not have keeps the class's default), then ``hp.loss_kwargs`` on top (checked
+        at start-up against the class's fields)."""
         meta = POLICY_LOSSES.meta(name)
         params = meta["params"]
-        bound = params.bind(hp) if hasattr(params, "bind") else params()
+        bound = params(**{f.name: getattr(hp, f.name) for f in fields(params) if hasattr(hp, f.name)})
         kwargs = {**loss_kwargs(bound), **dict(getattr(hp, "loss_kwargs", None) or {})}
         return cls(name, kwargs, per_turn and meta.get("takes_turn_ids", False))
 

@@ -2,8 +2,8 @@
 
 Outcome estimators (``kind="outcome"``): ``fn(rewards, group_ids, **hparams) -> advantages``,
 all ``(N,)``; ``group_ids`` marks which samples answer the same prompt; groups may differ in
-size. Their hyper-parameters are bound explicitly by the ``bind`` function registered with
-them. ``gae`` (``kind="critic"``) needs a critic's values and is PPO's.
+size. An estimator's hyper-parameters are the keyword arguments registered as ``params``
+(the algorithm config's ``advantage_<name>`` sets ``<name>``). ``gae`` (``kind="critic"``) needs a critic's values and is PPO's.
 
 Notation:
     N: trajectories in the rollout batch; G_i: the size of sample i's group.
@@ -50,11 +50,7 @@ def group_stats(
     return count[inverse], mean[inverse], std[inverse]
 
 
-def _no_params(hp: Any) -> dict[str, Any]:
-    return {}
-
-
-@ADVANTAGE_ESTIMATORS.register("grpo", kind="outcome", bind=lambda hp: {"scale": hp.advantage_scale})
+@ADVANTAGE_ESTIMATORS.register("grpo", kind="outcome", params=("scale",))
 def grpo_advantages(
     rewards: torch.Tensor,
     group_ids: torch.Tensor,
@@ -86,8 +82,8 @@ def grpo_advantages(
     raise ValueError(f"grpo advantages: unknown scale {scale!r}; valid: group, batch, none")
 
 
-@ADVANTAGE_ESTIMATORS.register("mean_only", kind="outcome", bind=_no_params)
-@ADVANTAGE_ESTIMATORS.register("dr_grpo", kind="outcome", bind=_no_params)
+@ADVANTAGE_ESTIMATORS.register("mean_only", kind="outcome", params=())
+@ADVANTAGE_ESTIMATORS.register("dr_grpo", kind="outcome", params=())
 def dr_grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """Dr.GRPO (arXiv 2503.20783, eq. 3): ``A_i = r_i - mean_group(r)``, no std division.
 
@@ -98,7 +94,7 @@ def dr_grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.
     return grpo_advantages(rewards, group_ids, scale="none")
 
 
-@ADVANTAGE_ESTIMATORS.register("rloo", kind="outcome", bind=_no_params)
+@ADVANTAGE_ESTIMATORS.register("rloo", kind="outcome", params=())
 def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """REINFORCE leave-one-out (Ahmadian et al. 2024, arXiv 2402.14740, eq. 5).
 
@@ -120,7 +116,7 @@ def _batch_whiten(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (x - x.mean()) / (x.std() + eps)
 
 
-@ADVANTAGE_ESTIMATORS.register("rebn", kind="outcome", bind=_no_params)
+@ADVANTAGE_ESTIMATORS.register("rebn", kind="outcome", params=())
 def rebn_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, eps: float = 1e-6) -> torch.Tensor:
     """REINFORCE with return batch normalisation (ReBN; GEM, arXiv 2510.01051, sec. 3):
     ``A_i = (R_i - mean_batch(R)) / (std_batch(R) + eps)``; groups are not used.
@@ -132,7 +128,7 @@ def rebn_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, eps: floa
     return _batch_whiten(rewards, eps)
 
 
-@ADVANTAGE_ESTIMATORS.register("reinforce_pp", kind="outcome", bind=_no_params)
+@ADVANTAGE_ESTIMATORS.register("reinforce_pp", kind="outcome", params=())
 def reinforce_pp_advantages(
     rewards: torch.Tensor, group_ids: torch.Tensor, *, eps: float = 1e-6
 ) -> torch.Tensor:

@@ -32,28 +32,21 @@ def get_policy_loss(name: str) -> PolicyLoss:
     return POLICY_LOSSES.get(name)
 
 
-# Each objective's hyper-parameters, bound explicitly from an algorithm config at construction
-# (``Params.bind(hp)`` names every field it reads). ``uses_ratio=False``: no importance ratio,
-# so only one on-policy epoch over one mini-batch is an unbiased gradient.
+# Each objective's hyper-parameters with their defaults, one frozen dataclass per loss: the field
+# names are the objective's keyword arguments (the algorithm module binds them by name from its
+# config, at its boundary; nothing here reads a config). ``uses_ratio=False``: no importance
+# ratio, so only one on-policy epoch over one mini-batch is an unbiased gradient.
 @dataclass(frozen=True)
 class ClipParams:
     clip_low: float | None = 0.2
     clip_high: float | None = 0.2
     clip_ratio_c: float | None = None
 
-    @classmethod
-    def bind(cls, hp: Any) -> ClipParams:
-        return cls(clip_low=hp.clip_low, clip_high=hp.clip_high, clip_ratio_c=hp.clip_ratio_c)
-
 
 @dataclass(frozen=True)
 class CISPOParams:
     clip_low: float | None = None
     clip_high: float | None = 4.0
-
-    @classmethod
-    def bind(cls, hp: Any) -> CISPOParams:
-        return cls(clip_low=hp.clip_low, clip_high=hp.clip_high)
 
 
 @dataclass(frozen=True)
@@ -62,16 +55,10 @@ class GSPOParams:
     clip_high: float | None = 4e-4
     is_pooling: str = "mean"
 
-    @classmethod
-    def bind(cls, hp: Any) -> GSPOParams:
-        return cls(clip_low=hp.clip_low, clip_high=hp.clip_high, is_pooling=hp.is_pooling)
-
 
 @dataclass(frozen=True)
 class NoParams:
-    @classmethod
-    def bind(cls, hp: Any) -> NoParams:
-        return cls()
+    """An objective without hyper-parameters."""
 
 
 def loss_kwargs(params: Any) -> dict[str, Any]:
