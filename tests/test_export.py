@@ -17,7 +17,8 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import rlhf_lightning.export as export_mod
+import rlhf_lightning.export.cli as export_cli
+import rlhf_lightning.export.merge as export_merge
 from rlhf_lightning.export import main as export_main
 from rlhf_lightning.models.build import load_model
 from rlhf_lightning.run import run
@@ -233,9 +234,9 @@ def test_the_runs_revision_and_trust_remote_code_reach_the_loaders(grpo_run, tmp
         seen["tokenizer"] = kwargs
         return real_load_tokenizer(path)
 
-    real_load_tokenizer = export_mod.load_tokenizer
-    monkeypatch.setattr(export_mod, "load_model", fake_load_model)
-    monkeypatch.setattr(export_mod, "load_tokenizer", fake_load_tokenizer)
+    real_load_tokenizer = export_cli.load_tokenizer
+    monkeypatch.setattr(export_merge, "load_model", fake_load_model)  # load_base's loader
+    monkeypatch.setattr(export_cli, "load_tokenizer", fake_load_tokenizer)
     export_main([str(src), "--out", str(tmp_path / "o"), "--merge"])
     for loader in ("model", "tokenizer"):
         assert seen[loader]["revision"] == "0123abcd" and seen[loader]["trust_remote_code"] is True
@@ -257,13 +258,13 @@ def test_a_non_empty_out_needs_force_and_is_replaced_whole_or_not_at_all(grpo_ru
         export_main([str(grpo_run), "--out", str(out), "--merge"])
     assert snapshot(out) == adapter
 
-    real_write = export_mod.write_export
+    real_write = export_cli.write_export
 
     def write_then_fail(tmp, *args):
         real_write(tmp, *args)  # a complete export in the staging directory, then a failure
         raise OSError(28, "No space left on device", str(tmp / "model.safetensors"))
 
-    monkeypatch.setattr(export_mod, "write_export", write_then_fail)
+    monkeypatch.setattr(export_cli, "write_export", write_then_fail)
     with pytest.raises(
         SystemExit, match=f"error: cannot write {re.escape(str(out))} .*No space left.* it is unchanged"
     ):
@@ -272,7 +273,7 @@ def test_a_non_empty_out_needs_force_and_is_replaced_whole_or_not_at_all(grpo_ru
     with pytest.raises(SystemExit, match="No space left"):
         export_main([str(grpo_run), "--out", str(tmp_path / "exports" / "new"), "--merge"])
     assert sorted(p.name for p in out.parent.iterdir()) == ["tiny"]  # no half-written --out, no leftovers
-    monkeypatch.setattr(export_mod, "write_export", real_write)
+    monkeypatch.setattr(export_cli, "write_export", real_write)
 
     export_main([str(grpo_run), "--out", str(out), "--merge", "--force"])
     assert not (out / "adapter_config.json").exists() and (out / "model.safetensors").is_file()

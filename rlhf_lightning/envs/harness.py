@@ -26,6 +26,10 @@ __all__ = ["ChatFormatter", "RolloutHarness", "RolloutResult", "reward_value"]
 
 log = logging.getLogger(__name__)
 
+# One reset episode: its env, its observation's key (the text, or the messages as JSON), the
+# observation and the reset's info.
+_Reset = tuple[TextEnv, str, Observation, dict[str, Any]]
+
 
 @dataclass
 class RolloutResult:
@@ -116,10 +120,34 @@ class RolloutHarness:
         A row whose prompt leaves no room for ``params.max_new_tokens`` within ``max_model_len``
         is dropped (with its group) and counted, never cut.
         """
-        envs: list[TextEnv] = []
-        trajs: list[Trajectory] = []
-        rendered: dict[str, str] = {}  # group members usually share their prompt
-        reset: list[list[tuple[TextEnv, str, Observation, dict[str, Any]]]] = []
+        groups, rendered = self._reset_groups(rows, group_size, evaluation)
+        texts = list(rendered.values())
+        encoded = self.tokenizer(texts, add_special_tokens=False).input_ids if texts else []
+        token_ids = dict(zip(rendered, encoded))
+        envs, trajs, dropped = self._start_episodes(groups, rendered, token_ids, group_size, params)
+        self._check_dropped(dropped, len(rows), bool(trajs), params.max_new_tokens)
+        errors, timeouts = self._run_turns(engine, envs, trajs, params, progress)
+        metrics = self._metrics(trajs)
+        if self.reward is not None and not evaluation:  # evaluation keeps the env's own rewards
+            metrics.update(self.reward.apply(trajs, device))
+        batch = collate(trajs, self.tokenizer.pad_token_id)
+        metrics["rollout/dropped_long_prompts"] = float(dropped)
+        metrics["env/reward_errors"] = float(errors)
+        if self.stepper.timeout_s is not None:
+            metrics["env/step_timeouts"] = float(timeouts)
+        return RolloutResult(batch, trajs, metrics)
+
+    def _reset_groups(
+        self, rows: list[int], group_size: int, evaluation: bool
+    ) -> tuple[list[list[_Reset]], dict[str, str]]:
+        """A fresh env per episode, reset on its row (``group_size`` per row, in row order), and
+        each distinct observation's prompt text, rendered once (group members usually share it).
+
+        Returns:
+            (per row, its episodes' (env, observation key, observation, info); key -> prompt text)
+        """
+        rendered: dict[str, str] = {}
+        reset: list[list[_Reset]] = []
         for row in rows:
             reset.append([])
             for _ in range(group_size):
@@ -129,11 +157,23 @@ class RolloutHarness:
                 if key not in rendered:
                     rendered[key] = self.formatter.prompt_text(obs)
                 reset[-1].append((env, key, obs, info if isinstance(info, dict) else {}))
-        texts = list(rendered.values())
-        encoded = self.tokenizer(texts, add_special_tokens=False).input_ids if texts else []
-        token_ids = dict(zip(rendered, encoded))
+        return reset, rendered
+
+    def _start_episodes(
+        self,
+        groups: list[list[_Reset]],
+        rendered: dict[str, str],
+        token_ids: dict[str, list[int]],
+        group_size: int,
+        params: SamplingParams,
+    ) -> tuple[list[TextEnv], list[Trajectory], int]:
+        """Each kept episode's env and its trajectory (the prompt ids so far); a group with a
+        prompt that leaves no room for ``params.max_new_tokens`` within ``max_model_len`` is
+        dropped whole. Returns (envs, trajectories, dropped groups)."""
+        envs: list[TextEnv] = []
+        trajs: list[Trajectory] = []
         dropped = 0
-        for members in reset:
+        for members in groups:
             group = [(env, rendered[key], token_ids[key], obs, info) for env, key, obs, info in members]
             if any(len(ids) + params.max_new_tokens > self.max_model_len for _, _, ids, _, _ in group):
                 dropped += 1
@@ -154,19 +194,34 @@ class RolloutHarness:
                         task_info=info,
                     )
                 )
+        return envs, trajs, dropped
+
+    def _check_dropped(self, dropped: int, num_rows: int, any_kept: bool, max_new_tokens: int) -> None:
+        """Warn about dropped prompts; refuse a batch that kept none."""
         if dropped:
             log.warning(
                 "dropped %d of %d prompts: longer than env.max_model_len=%d minus rollout.max_new_tokens=%d",
                 dropped,
-                len(rows),
+                num_rows,
                 self.max_model_len,
-                params.max_new_tokens,
+                max_new_tokens,
             )
-        if not trajs:
+        if not any_kept:
             raise ValueError(
                 f"every prompt of this batch is longer than env.max_model_len={self.max_model_len} minus "
-                f"rollout.max_new_tokens={params.max_new_tokens}; raise env.max_model_len"
+                f"rollout.max_new_tokens={max_new_tokens}; raise env.max_model_len"
             )
+
+    def _run_turns(
+        self,
+        engine: Sampler,
+        envs: list[TextEnv],
+        trajs: list[Trajectory],
+        params: SamplingParams,
+        progress: Callable[[str], None] | None,
+    ) -> tuple[int, int]:
+        """Up to ``max_turns`` turns: one engine call for every live episode, then their env steps.
+        An episode still going after the last turn is truncated. Returns (env errors, timeouts)."""
         errors = timeouts = 0
         live = list(range(len(trajs)))
         for turn in range(self.max_turns):
@@ -195,15 +250,7 @@ class RolloutHarness:
                 break
         for i in live:  # still going after max_turns: cut by the turn limit
             trajs[i].truncated = True
-        metrics = self._metrics(trajs)
-        if self.reward is not None and not evaluation:  # evaluation keeps the env's own rewards
-            metrics.update(self.reward.apply(trajs, device))
-        batch = collate(trajs, self.tokenizer.pad_token_id)
-        metrics["rollout/dropped_long_prompts"] = float(dropped)
-        metrics["env/reward_errors"] = float(errors)
-        if self.stepper.timeout_s is not None:
-            metrics["env/step_timeouts"] = float(timeouts)
-        return RolloutResult(batch, trajs, metrics)
+        return errors, timeouts
 
     @staticmethod
     def _append_turn(traj: Trajectory, comp: Completion, text: str, turn: int) -> None:

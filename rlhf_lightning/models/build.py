@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf_lightning.errors import ConfigError, is_hub_id
@@ -238,57 +238,43 @@ def build_policy(
                 finetune,
                 "lora: adapter_path, a critic and a separate reference adapter are LoRA adapters on the frozen base",
             )
-        reference = None
-        if need_reference:
-            reference = copy.deepcopy(model)
-            for p in reference.parameters():
-                p.requires_grad_(False)
-        return Policy(model, adapter_name=None, reference=reference, share_prompt=share)
+        return _full_policy(model, need_reference, share)
     for p in model.parameters():
         p.requires_grad_(False)
-    target = list(lora_target_modules) if not isinstance(lora_target_modules, str) else lora_target_modules
-    config = LoraConfig(
-        r=lora_r,
-        lora_alpha=lora_alpha,
-        lora_dropout=lora_dropout,
-        target_modules=target,
-        task_type="CAUSAL_LM",
+    config = _lora_config(lora_r, lora_alpha, lora_dropout, lora_target_modules)
+    return _peft_policy(
+        model,
+        config,
+        share=share,
+        gradient_checkpointing=gradient_checkpointing,
+        adapter_path=adapter_path,
+        reference_from_checkpoint=reference_from_checkpoint,
+        separate_reference=separate_reference,
+        with_critic=with_critic,
     )
+
+
+def _peft_policy(
+    model: PreTrainedModel,
+    config: LoraConfig,
+    *,
+    share: bool,
+    gradient_checkpointing: bool,
+    adapter_path: str | None,
+    reference_from_checkpoint: bool,
+    separate_reference: bool,
+    with_critic: bool,
+) -> Policy:
+    """LoRA on the frozen ``model``: the ``actor`` adapter (loaded from ``adapter_path``), the
+    ``reference`` and ``critic`` adapters when asked for; only the actor and critic train."""
     peft_model = get_peft_model(model, config, adapter_name=ACTOR)
-    loaded = None
     if adapter_path is not None:
-        loaded = adapter_dir(adapter_path, ACTOR)
-        if loaded is None:
-            raise ConfigError(
-                "model.adapter_path",
-                adapter_path,
-                "a directory holding actor/adapter_config.json (or adapter_config.json)",
-            )
-        load_into(peft_model, loaded, ACTOR)
-        log.info("actor adapter loaded from %s", loaded)
+        _load_actor(peft_model, adapter_path)
     reference_adapter = None
     if separate_reference or adapter_path is not None:
-        peft_model.add_adapter(REFERENCE, config)
-        saved_ref = (
-            adapter_dir(adapter_path, REFERENCE) if adapter_path and reference_from_checkpoint else None
-        )
-        if saved_ref is not None:
-            load_into(peft_model, saved_ref, REFERENCE)
-        else:
-            copy_adapter(peft_model, ACTOR, REFERENCE)
+        _add_reference(peft_model, config, adapter_path, reference_from_checkpoint)
         reference_adapter = REFERENCE
-    value_head = None
-    if with_critic:
-        peft_model.add_adapter(CRITIC, config)
-        hidden = model.config.hidden_size
-        # The output layer's dtype: a quantised base's first parameters may be packed integers.
-        value_head = torch.nn.Linear(hidden, 1, dtype=model.get_output_embeddings().weight.dtype)
-        torch.nn.init.zeros_(value_head.weight)
-        torch.nn.init.zeros_(value_head.bias)
-        saved_critic = adapter_dir(adapter_path, CRITIC) if adapter_path is not None else None
-        if saved_critic is not None:
-            load_into(peft_model, saved_critic, CRITIC)
-            load_value_head(value_head, saved_critic)
+    value_head = _add_critic(peft_model, model, config, adapter_path) if with_critic else None
     peft_model.set_adapter(ACTOR)
     for name, p in peft_model.named_parameters():  # actor and critic train; base and reference stay frozen
         p.requires_grad_(f".{ACTOR}." in name or f".{CRITIC}." in name)
@@ -302,3 +288,71 @@ def build_policy(
         critic_adapter=CRITIC if with_critic else None,
         value_head=value_head,
     )
+
+
+def _full_policy(model: PreTrainedModel, need_reference: bool, share: bool) -> Policy:
+    """Full fine-tuning: every weight of ``model`` trains; a frozen deep copy is the reference
+    when ``need_reference`` (no adapters to disable)."""
+    reference = None
+    if need_reference:
+        reference = copy.deepcopy(model)
+        for p in reference.parameters():
+            p.requires_grad_(False)
+    return Policy(model, adapter_name=None, reference=reference, share_prompt=share)
+
+
+def _lora_config(r: int, alpha: int, dropout: float, target_modules: Any) -> LoraConfig:
+    """The one LoRA config of every adapter (actor, reference, critic); ``target_modules`` a
+    name like ``all-linear`` or a list of module names (a Hydra ListConfig becomes a list)."""
+    target = list(target_modules) if not isinstance(target_modules, str) else target_modules
+    return LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=target,
+        task_type="CAUSAL_LM",
+    )
+
+
+def _load_actor(peft_model: PeftModel, adapter_path: str) -> None:
+    """Load the saved actor of ``adapter_path`` (``actor/`` or a bare adapter) into the actor slot."""
+    loaded = adapter_dir(adapter_path, ACTOR)
+    if loaded is None:
+        raise ConfigError(
+            "model.adapter_path",
+            adapter_path,
+            "a directory holding actor/adapter_config.json (or adapter_config.json)",
+        )
+    load_into(peft_model, loaded, ACTOR)
+    log.info("actor adapter loaded from %s", loaded)
+
+
+def _add_reference(
+    peft_model: PeftModel, config: LoraConfig, adapter_path: str | None, reference_from_checkpoint: bool
+) -> None:
+    """Add the frozen ``reference`` adapter: the saved ``reference/`` of ``adapter_path`` with
+    ``reference_from_checkpoint`` (when present), else a copy of the actor as it starts."""
+    peft_model.add_adapter(REFERENCE, config)
+    saved_ref = adapter_dir(adapter_path, REFERENCE) if adapter_path and reference_from_checkpoint else None
+    if saved_ref is not None:
+        load_into(peft_model, saved_ref, REFERENCE)
+    else:
+        copy_adapter(peft_model, ACTOR, REFERENCE)
+
+
+def _add_critic(
+    peft_model: PeftModel, model: PreTrainedModel, config: LoraConfig, adapter_path: str | None
+) -> torch.nn.Linear:
+    """Add the ``critic`` adapter and its scalar value head (zero-initialised: values start at 0),
+    both loaded from the saved ``critic/`` of ``adapter_path`` when there is one (PPO)."""
+    peft_model.add_adapter(CRITIC, config)
+    hidden = model.config.hidden_size
+    # The output layer's dtype: a quantised base's first parameters may be packed integers.
+    value_head = torch.nn.Linear(hidden, 1, dtype=model.get_output_embeddings().weight.dtype)
+    torch.nn.init.zeros_(value_head.weight)
+    torch.nn.init.zeros_(value_head.bias)
+    saved_critic = adapter_dir(adapter_path, CRITIC) if adapter_path is not None else None
+    if saved_critic is not None:
+        load_into(peft_model, saved_critic, CRITIC)
+        load_value_head(value_head, saved_critic)
+    return value_head

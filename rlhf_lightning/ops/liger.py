@@ -99,36 +99,17 @@ def liger_policy_loss(
     Returns:
         (scalar loss, metrics ``clipfrac`` and, with a KL term, ``kl``)
     """
-    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
-
     loss_type = _LOSS_TYPES[(hp.loss, hp.loss_agg_mode)]
+    fn = _liger_loss(hp, loss_type, temperature=temperature, max_len=max_len, compiled=compiled)
     hidden, mask = pack_actions(rows, action_mask)
     ids, _ = pack_actions(targets, action_mask)
 
     def pack(x: torch.Tensor | None) -> torch.Tensor | None:
         return None if x is None else pack_actions(x[action_mask], action_mask)[0]
 
-    fn = LigerFusedLinearGRPOLoss(
-        beta=hp.beta,
-        compiled=compiled,
-        use_ref_model=hp.beta > 0,  # with precomputed ref_per_token_logps (no second model)
-        epsilon_low=hp.clip_low if hp.clip_low is not None else 0.0,
-        epsilon_high=(1.0 + hp.clip_high)
-        if hp.loss == "cispo"
-        else hp.clip_high,  # Liger's CISPO cap is absolute
-        loss_type=loss_type,
-        max_completion_length=max_len,
-        importance_sampling_level="sequence" if hp.loss == "gspo" else "token",
-        temperature=temperature,
-        use_bias_correction_kl=hp.kl_importance_weighted,
+    extra, scale = _window_normaliser(
+        loss_type, action_mask.shape[0], num_tokens, num_seqs, world_size, rows.device
     )
-    b = action_mask.shape[0]
-    extra: dict[str, Any] = {}
-    if loss_type in ("dapo", "cispo"):
-        extra["num_items_in_batch"] = num_tokens * world_size  # Liger divides by the world size
-        scale = torch.ones((), device=rows.device)
-    else:  # per-sequence normalisers: Liger divides by this micro-batch's B
-        scale = b / num_seqs
     loss, metrics = fn(
         hidden,
         head.weight,
@@ -145,3 +126,48 @@ def liger_policy_loss(
     if hp.beta > 0:
         out["kl"] = metrics[0].detach()
     return loss * scale, out
+
+
+def _liger_loss(hp: Any, loss_type: str, *, temperature: float, max_len: int, compiled: bool) -> Any:
+    """Liger's ``LigerFusedLinearGRPOLoss`` set up for our objective: clip bounds (CISPO's cap is
+    absolute in Liger), sequence-level ratios for GSPO, a precomputed reference for the KL term."""
+    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+    return LigerFusedLinearGRPOLoss(
+        beta=hp.beta,
+        compiled=compiled,
+        use_ref_model=hp.beta > 0,  # with precomputed ref_per_token_logps (no second model)
+        epsilon_low=hp.clip_low if hp.clip_low is not None else 0.0,
+        epsilon_high=(1.0 + hp.clip_high)
+        if hp.loss == "cispo"
+        else hp.clip_high,  # Liger's CISPO cap is absolute
+        loss_type=loss_type,
+        max_completion_length=max_len,
+        importance_sampling_level="sequence" if hp.loss == "gspo" else "token",
+        temperature=temperature,
+        use_bias_correction_kl=hp.kl_importance_weighted,
+    )
+
+
+def _window_normaliser(
+    loss_type: str,
+    b: int,
+    num_tokens: torch.Tensor,
+    num_seqs: torch.Tensor,
+    world_size: int,
+    device: torch.device,
+) -> tuple[dict[str, Any], torch.Tensor]:
+    """What makes Liger's loss normalised over the whole accumulation window like :func:`aggregate`:
+    the extra keyword arguments of the call and the factor its loss is multiplied by.
+
+    Token-level types (``dapo``, ``cispo``) take the window's token count (times the world size,
+    which Liger divides by); per-sequence ones divide by the micro-batch's ``b`` rows, rescaled
+    to the window's ``num_seqs``.
+    """
+    extra: dict[str, Any] = {}
+    if loss_type in ("dapo", "cispo"):
+        extra["num_items_in_batch"] = num_tokens * world_size  # Liger divides by the world size
+        scale = torch.ones((), device=device)
+    else:  # per-sequence normalisers: Liger divides by this micro-batch's B
+        scale = b / num_seqs
+    return extra, scale

@@ -13,36 +13,38 @@ temperature, then tournament selection with elitism picks each slot's parent, th
 cloned (weights and optimizer state copied, the base untouched) and mutated, every mutated
 value checked like a start-up value; ``lineage.csv`` records every birth. Validation and the
 final export use the fittest member.
+
+The parts: :class:`~rlhf_lightning.population.resident.ResidentMember` (swapping members on
+and off the model) and :class:`~rlhf_lightning.population.generations.Generations` (scoring,
+selection, lineage), mixed into :class:`Population` with the Lightning hooks and the state.
 """
 
 from __future__ import annotations
 
-import copy
-import csv
 import dataclasses
 import functools
 import random
 import threading
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import lightning as L
 import torch
 
-from rlhf_lightning.algorithms.evaluation import episode_success
 from rlhf_lightning.algorithms.records import StepSummary
-from rlhf_lightning.population.checks import check_member, validate_space
-from rlhf_lightning.population.evolution import MUTABLE, MutationRange, mutate, tournament_select
-from rlhf_lightning.population.members import KEEP_SNAPSHOTS, Member, copy_into, write_snapshot
-from rlhf_lightning.runtime import rng as rng_state
+from rlhf_lightning.population.checks import validate_space
+from rlhf_lightning.population.evolution import MUTABLE, MutationRange
+from rlhf_lightning.population.generations import LINEAGE_FIELDS, Generations
+from rlhf_lightning.population.members import KEEP_SNAPSHOTS, Member, write_snapshot
+from rlhf_lightning.population.resident import MEMBER_COUNTERS, ResidentMember
 from rlhf_lightning.runtime.schedule import warmup_cosine
 
+__all__ = ["FITNESS", "KEEP_SNAPSHOTS", "LINEAGE_FIELDS", "MEMBER_COUNTERS", "Member", "Population"]
+
 FITNESS = ("accuracy_sampled", "accuracy_greedy", "return_sampled", "return_greedy")
-LINEAGE_FIELDS = ["step", "slot", "id", "parent", "event", "mutation", "parent_fitness", *MUTABLE]
-MEMBER_COUNTERS = ("learn_steps",)  # module attributes each member carries (PPO's critic warm-up)
 
 
-class Population(L.Callback):
+class Population(ResidentMember, Generations, L.Callback):
     """Args:
     size: members.
     evolve_every: training steps between evolutions (a multiple of ``size``; 0: never).
@@ -105,114 +107,6 @@ class Population(L.Callback):
         self._ref_interval: int | None = None  # members' own references move every this many updates
         self._algo: dict[str, Any] = {}  # the algorithm's config values (mutated values are checked)
         self._restored: dict[str, Any] | None = None
-
-    # ------------------------------------------------------------------ the resident member
-    def params(self) -> list[torch.nn.Parameter]:
-        return cast(list[torch.nn.Parameter], self.module.policy.trainable_parameters())
-
-    def optimizer(self) -> torch.optim.Optimizer:
-        opt = self.module.optimizers()
-        return cast(torch.optim.Optimizer, getattr(opt, "optimizer", opt))
-
-    def scheduler(self) -> Any:
-        return self.module.lr_schedulers()
-
-    def reference_params(self) -> list[torch.nn.Parameter]:
-        """The reference adapter's weights when it moves (each member has its own); else none."""
-        policy = self.module.policy
-        name = policy.reference_adapter if self._ref_interval else None
-        return [] if name is None else [p for n, p in policy.named_parameters() if f".{name}." in n]
-
-    def counters(self) -> dict[str, int]:
-        return {k: int(getattr(self.module, k)) for k in MEMBER_COUNTERS if hasattr(self.module, k)}
-
-    def capture(self, member_id: int, hparams: dict[str, float], parent: int | None = None) -> Member:
-        """The resident state as a new member (copies)."""
-        return Member(
-            member_id,
-            dict(hparams),
-            [p.detach().clone() for p in self.params()],
-            copy.deepcopy(self.optimizer().state_dict()),
-            copy.deepcopy(self.scheduler().state_dict()),
-            parent=parent,
-            reference=[p.detach().clone() for p in self.reference_params()],
-            counters=self.counters(),
-        )
-
-    def store(self) -> None:
-        """Copy the resident's state back into its member (after it trained)."""
-        if self.resident is None:
-            return
-        m = self.members[self.resident]
-        copy_into(m.weights, self.params())
-        copy_into(m.reference, self.reference_params())
-        m.optimizer = copy.deepcopy(self.optimizer().state_dict())
-        m.scheduler = copy.deepcopy(self.scheduler().state_dict())
-        m.counters = self.counters()
-
-    def load(self, slot: int) -> None:
-        """Make ``slot`` resident: weights, reference, optimizer and scheduler state, counters,
-        hyper-parameters."""
-        if self.resident == slot:
-            return
-        self.store()
-        m = self.members[slot]
-        copy_into(self.params(), m.weights)
-        copy_into(self.reference_params(), m.reference)
-        for name, value in m.counters.items():
-            setattr(self.module, name, value)
-        self.optimizer().load_state_dict(m.optimizer)
-        sched = self.scheduler()
-        sched.load_state_dict(m.scheduler)
-        self.apply_hparams(m.hparams)
-        self.resident = slot
-        if self.module.engine is not None:
-            self.module.engine.invalidate()  # another member's weights: the engine syncs before sampling
-
-    def apply_hparams(self, hp: dict[str, float]) -> None:
-        module = self.module
-        fields = {f.name for f in dataclasses.fields(self._base_hp)}
-        algo: dict[str, Any] = {k: v for k, v in hp.items() if k in fields and k != "temperature"}
-        if self._ref_interval:  # the population refreshes each member's own reference (refresh_reference)
-            algo["ref_update_interval"] = None
-        module.hp = dataclasses.replace(self._base_hp, **algo)
-        module.sampling = dataclasses.replace(
-            module.sampling, temperature=hp.get("temperature", self._base_temperature)
-        )
-        sched, opt = self.scheduler(), self.optimizer()
-        lrs = [hp.get("lr", self._base_hp.lr)] * len(opt.param_groups)
-        critic_lr = getattr(self._base_hp, "lr_critic", None)
-        if critic_lr is not None and len(lrs) > 1:
-            lrs[1] = critic_lr  # PPO's critic keeps its own configured lr
-        sched.base_lrs = list(lrs)
-        for group, base, fn in zip(opt.param_groups, lrs, sched.lr_lambdas):
-            group["initial_lr"] = base
-            group["lr"] = base * fn(sched.last_epoch)
-        module.objective = module.build_objective()
-
-    def initial_hparams(self) -> dict[str, float]:
-        hp = {k: getattr(self._base_hp, k) for k in MUTABLE if hasattr(self._base_hp, k)}
-        hp["temperature"] = self._base_temperature
-        return {k: v for k, v in hp.items() if v is not None}
-
-    def mutated(
-        self, hparams: dict[str, float], member_id: int, no_mutation_prob: float
-    ) -> tuple[dict[str, float], str]:
-        """:func:`mutate`, its result checked like a start-up value (a bad value never trains)."""
-        hp, how = mutate(hparams, self.space, self.rng, no_mutation_prob)
-        check_member(hp, self._algo, self.module.world_size, member_id)
-        return hp, how
-
-    def refresh_reference(self) -> None:
-        """Copy the resident's actor onto its own reference after every ``ref_update_interval``-th
-        update of that member (its scheduler's count: its own optimizer steps, a clone's counted
-        on from its parent's). Called before each optimizer step and at each batch end: the
-        actor is then as that count left it, so a repeated call copies the same weights."""
-        if not self._ref_interval or self.resident is None:
-            return
-        done = self.scheduler().last_epoch
-        if done > 0 and done % self._ref_interval == 0:
-            self.module.policy.copy_actor_to_reference()
 
     # ------------------------------------------------------------------ Lightning hooks
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -294,107 +188,6 @@ class Population(L.Callback):
             if out is not None:
                 m = self.members[self.best_slot()]
                 print(f"population: best member {m.id} (fitness {m.fitness}) -> {out}")
-
-    # ------------------------------------------------------------------ evolution
-    def best_slot(self) -> int:
-        scores = [m.fitness if m.fitness is not None else float("-inf") for m in self.members]
-        return max(range(len(scores)), key=lambda i: (scores[i], -i))
-
-    @torch.no_grad()
-    def score(self, trainer: L.Trainer) -> list[float]:
-        """Each member's fitness on the first ``eval_rows`` held-out rows (all ranks: the mean).
-
-        Every member is scored at the same temperature (the config's rollout temperature, 0 for
-        ``*_greedy``): a member's own mutated temperature would favour low ones for being
-        evaluated at them."""
-        module = self.module
-        dm = trainer.datamodule  # type: ignore[attr-defined]
-        n = min(self.eval_rows, dm.eval_rows)
-        rows = list(range(module.rank, n, module.world_size))
-        temperature = self._base_temperature if self.fitness_name.endswith("_sampled") else 0.0
-        saved = rng_state.capture()  # scoring draws no numbers from training's streams
-        out = []
-        for slot in range(self.size):
-            self.load(slot)
-            params = dataclasses.replace(module.sampling, temperature=temperature)
-            result = module.rollout(rows, params, group_size=1, evaluation=True)
-            if self.fitness_name.startswith("accuracy"):
-                values = torch.tensor([episode_success(t) for t in result.trajectories])
-            else:
-                values = result.batch.returns.float().cpu()
-            total = torch.stack([values.sum(), torch.tensor(float(len(values)))]).to(module.device)
-            if module.world_size > 1:
-                total = module.all_gather(total).sum(0)
-            out.append(float(total[0] / total[1].clamp(min=1)))
-        rng_state.restore(saved)
-        return out
-
-    def evolve(self, trainer: L.Trainer) -> None:
-        fitness = self.score(trainer)  # scoring stored every member it swapped out; none trained since
-        for m, f in zip(self.members, fitness):
-            m.fitness = f
-        step, best = trainer.global_step, self.best_slot()
-        best_lr = float(self.members[best].hparams.get("lr", 0.0))
-        parents = tournament_select(fitness, self.rng, self.tournament_size, self.elitism)
-        new: list[Member] = []
-        for slot, p in enumerate(parents):
-            parent = self.members[p]
-            if slot == 0 and self.elitism:
-                child, event, how = parent.clone(parent.id), "elite", "none"
-                child.parent = parent.parent
-            else:
-                child = parent.clone(self.next_id)
-                self.next_id += 1
-                child.hparams, how = self.mutated(parent.hparams, child.id, self.no_mutation_prob)
-                event = "clone"
-            new.append(child)
-            self.record(step, slot, child, event, how, fitness[p])
-        self.members = new
-        self.check_ranks_agree()
-        self.resident = None  # the model holds an old member's state: load the next one fresh
-        self.load(self.steps % self.size)
-        self.module.log_metrics(
-            {
-                "population/fitness_best": torch.tensor(max(fitness)),
-                "population/fitness_mean": torch.tensor(sum(fitness) / len(fitness)),
-                "population/best_lr": torch.tensor(best_lr),  # the fittest member scored now
-            }
-        )
-        self.write_lineage(trainer)
-
-    def check_ranks_agree(self) -> None:
-        """Every rank must hold the same population after selection (same seed, same gathered
-        fitness): a cheap digest of ids and hyper-parameters is compared across ranks."""
-        module = self.module
-        if module.world_size <= 1:
-            return
-        digest = torch.tensor(
-            [[float(m.id), *(float(m.hparams.get(k) or 0.0) for k in MUTABLE)] for m in self.members],
-            dtype=torch.float64,
-            device=module.device,
-        )
-        gathered = module.all_gather(digest)
-        if not bool((gathered == gathered[0]).all()):
-            raise RuntimeError(
-                f"population: ranks disagree after selection at step {self.steps}: {gathered.tolist()}"
-            )
-
-    def record(
-        self, step: int, slot: int, member: Member | None, event: str, mutation: str, fitness: float | None
-    ) -> None:
-        m = member if member is not None else self.members[slot]
-        row = {"step": step, "slot": slot, "id": m.id, "parent": m.parent, "event": event, "mutation": mutation,
-               "parent_fitness": fitness, **{k: m.hparams.get(k) for k in MUTABLE}}  # fmt: skip
-        self.lineage.append(row)
-
-    def write_lineage(self, trainer: L.Trainer) -> None:
-        if not trainer.is_global_zero:
-            return
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        with (self.output_dir / "lineage.csv").open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=LINEAGE_FIELDS)
-            writer.writeheader()
-            writer.writerows(self.lineage)
 
     # ------------------------------------------------------------------ state: checkpoints and snapshots
     def population_state(self) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from transformers.generation import (
     TopPLogitsWarper,
 )
 
-from rlhf_lightning.models.policy import cache_kwarg, output_cache
+from rlhf_lightning.models.prompt_sharing import cache_kwarg, output_cache
 from rlhf_lightning.rollout.engine import Completion, EngineBase, SamplingParams
 
 

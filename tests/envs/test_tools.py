@@ -1,36 +1,25 @@
-"""ToolEnv through the harness and the tools chat template: token-exact round trips, error tool
-messages, the call limit, the calculator task and ``env=tools`` training."""
+"""ToolEnv through the harness: token-exact round trips, error tool messages, argument checks,
+the call limit, shaping rewards, results, and construction. The template, the tool tasks and
+``env=tools`` training: test_tool_template.py and test_tool_tasks.py."""
 
 from __future__ import annotations
 
 import json
-import re
 import threading
 import time
-from pathlib import Path
 
 import pytest
 from transformers.utils import get_json_schema
 
-from rlhf_lightning.config import ASSETS
 from rlhf_lightning.envs.chat import ChatFormatter, check_template, env_tools
 from rlhf_lightning.envs.harness import RolloutHarness
-from rlhf_lightning.envs.tool_calc import ToolCalcEnv
 from rlhf_lightning.envs.tool_parsers import ToolCall, parse_hermes
-from rlhf_lightning.envs.tool_tasks import (
-    TABLE,
-    AddLookupToolEnv,
-    CalculatorToolEnv,
-    add,
-    calculator,
-    lookup,
-)
+from rlhf_lightning.envs.tool_tasks import TABLE, AddLookupToolEnv, add, lookup
 from rlhf_lightning.envs.tools import LIMIT_NOTE, ToolEnv
 from rlhf_lightning.errors import ConfigError
-from rlhf_lightning.models.build import load_tokenizer
-from rlhf_lightning.rollout.engine import Completion, EngineBase, SamplingParams
+from rlhf_lightning.rollout.engine import Completion, SamplingParams
+from tests.envs.tool_helpers import call, tools_tokenizer
 
-TEMPLATE = ASSETS / "chat_templates" / "tools.jinja"
 RELEASE = threading.Event()  # lets a timed-out sleepy() thread finish at the end of the module
 
 
@@ -62,7 +51,7 @@ def _release_sleepers():
 @pytest.fixture(scope="module")
 def tok():
     """The embedded chat model's tokenizer with the tools template."""
-    return load_tokenizer(str(ASSETS / "tiny_chat"), chat_template=TEMPLATE.read_text())
+    return tools_tokenizer()
 
 
 class TurnEngine:
@@ -86,10 +75,6 @@ class TurnEngine:
         pass
 
 
-def call(name: str, **arguments) -> str:
-    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
-
-
 def play(tok, factory, replies: list[str], system_prompt: str | None = None):
     """One episode of row 0 with scripted replies; returns (trajectory, formatter)."""
     formatter = ChatFormatter(tok, system_prompt, tools=env_tools(factory))
@@ -110,84 +95,6 @@ def rerender(tok, traj, schemas, system_prompt: str | None = None) -> list[int]:
             messages += traj.observations[k]
     text = tok.apply_chat_template(messages, tools=schemas, tokenize=False)
     return tok(text, add_special_tokens=False).input_ids
-
-
-# -- the template ----------------------------------------------------------------------------
-
-
-PLAIN = [
-    [{"role": "user", "content": "What is 2 + 3?"}],
-    [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Guess a number."},
-        {"role": "assistant", "content": "10"},
-        {"role": "user", "content": "higher"},
-        {"role": "assistant", "content": "15"},
-    ],
-]
-
-
-@pytest.mark.parametrize("messages", PLAIN)
-@pytest.mark.parametrize("generation_prompt", [False, True])
-def test_template_renders_plain_chats_like_tiny_chat(tok, messages, generation_prompt):
-    tiny = (ASSETS / "tiny_chat" / "chat_template.jinja").read_text()
-    expected = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-    expected += "<|im_start|>assistant\n" if generation_prompt else ""
-    for template in (tiny, TEMPLATE.read_text()):
-        text = tok.apply_chat_template(
-            messages, chat_template=template, add_generation_prompt=generation_prompt, tokenize=False
-        )
-        assert text == expected
-
-
-def test_template_lists_tools_in_the_system_turn(tok):
-    schemas = [get_json_schema(add)]
-    for system, prefix in ((None, ""), ("Be brief.", "Be brief.\n\n")):
-        messages = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": "user", "content": "Q"}
-        ]
-        text = tok.apply_chat_template(messages, tools=schemas, tokenize=False, add_generation_prompt=True)
-        head = f"<|im_start|>system\n{prefix}You can call these functions; their JSON schemas:\n<tools>\n"
-        assert text.startswith(head + json.dumps(schemas[0]) + "\n</tools>\n")
-        assert text.count("<|im_start|>system") == 1
-        assert text.endswith("<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n")
-
-
-def test_template_renders_tool_calls_as_hermes_text(tok):
-    messages = [
-        {"role": "user", "content": "Q"},
-        {
-            "role": "assistant",
-            "content": "Checking.",
-            "tool_calls": [
-                {"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}},
-                {"type": "function", "function": {"name": "lookup", "arguments": '{"key": "fig"}'}},
-            ],
-        },
-        {"role": "tool", "name": "add", "content": "3"},
-        {"role": "tool", "name": "lookup", "content": "5"},
-    ]
-    text = tok.apply_chat_template(messages, tools=[get_json_schema(add)], tokenize=False)
-    turn = (
-        '<|im_start|>assistant\nChecking.\n<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>\n'
-        '<tool_call>{"name": "lookup", "arguments": {"key": "fig"}}</tool_call><|im_end|>\n'
-        "<|im_start|>user\n<tool_response>\n3\n</tool_response><|im_end|>\n"
-        "<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n"
-    )
-    assert text.endswith(turn)
-    assistant = text[text.index("<|im_start|>assistant\n") :]
-    assert parse_hermes(assistant).calls == [
-        ToolCall("add", {"a": 1, "b": 2}),
-        ToolCall("lookup", {"key": "fig"}),
-    ]
-
-
-def test_template_is_prefix_stable_with_tools(tok):
-    formatter = ChatFormatter(tok, "Be brief.", tools=[get_json_schema(add)])
-    two_tools = [{"role": "tool", "content": "3"}, {"role": "tool", "content": "4"}]
-    formatter.check_prefix_stable(
-        [[{"role": "tool", "content": "r"}], two_tools, [{"role": "user", "content": "u"}]]
-    )
 
 
 # -- round trips through the harness ------------------------------------------------------------
@@ -417,152 +324,3 @@ def test_other_parsers_drive_the_env():
     env = AddLookupToolEnv(parser="llama3_json")
     env.reset(row_index=0)
     assert env.step('{"name": "add", "parameters": {"a": 2, "b": 3}}')[0][0]["content"] == "5"
-
-
-# -- the calculator task ------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("expression", "value"),
-    [
-        ("(12 + 3) * 4", "60"),
-        ("2 + 3 * 4 - 6 / 3", "12"),
-        ("7 / 2", "3.5"),
-        ("1 / 3", "0.333333333333"),
-        ("2 - -3", "5"),
-        ("-(4) * 2", "-8"),
-        ("10 / 4 * 2", "5"),
-        ("8 / 2 / 2", "2"),
-        ("(" * 3000 + "1" + ")" * 3000, "1"),
-    ],
-)
-def test_calculator_values(expression, value):
-    assert calculator(expression) == value
-
-
-@pytest.mark.parametrize(
-    ("expression", "error"),
-    [
-        ("1 / 0", "division by zero"),
-        ("2 ** 3", "unexpected '*'"),
-        ("__import__('os')", "unexpected '_'"),
-        ("1.5 + 1", "unexpected '.'"),
-        ("(1 + 2", "unbalanced '('"),
-        ("1 + 2)", "unbalanced ')'"),
-        ("1 +", "incomplete expression"),
-        ("1" * 10, "numbers must be below 10**9"),
-        ("1+" * 6000 + "1", "expression longer than 10000 characters"),
-    ],
-)
-def test_calculator_refuses(expression, error):
-    with pytest.raises(ValueError, match=f"^{re.escape(error)}$"):
-        calculator(expression)
-
-
-def test_calculator_env_uses_tool_calc_rows_and_scores_answers():
-    env = CalculatorToolEnv(seed=3)
-    for row, evaluation in ((0, False), (5, False), (1, True)):
-        prompt, _ = env.reset(row_index=row, evaluation=evaluation)
-        old = ToolCalcEnv(seed=3)
-        old_prompt, _ = old.reset(row_index=row, evaluation=evaluation)
-        expr = old_prompt.removeprefix("What is ").split("?")[0]
-        a, times, b, op, c = expr.split(" ")  # "a * b + c" or "a * b - c"
-        assert times == "*" and op in "+-"
-        expected = int(a) * int(b) + (int(c) if op == "+" else -int(c))
-        assert prompt.startswith(f"What is {expr}?") and env.answer == expected == old.answer
-        obs, *_ = env.step(call("calculator", expression=expr))
-        assert obs == [{"role": "tool", "name": "calculator", "content": str(expected)}]
-        assert env.step(f"The answer is {expected}.")[1:3] == (1.0, True)
-        env.reset(row_index=row, evaluation=evaluation)
-        assert env.step(str(expected + 1))[1] == 0.0
-    obs, *_ = env.step(call("calculator", expression="1/0"))
-    assert obs[0]["content"] == "error: calculator raised CalcError: division by zero"
-    assert [s["function"]["name"] for s in env.tool_schemas()] == ["calculator"]
-    assert env.num_rows(False) == 100_000 and env.num_rows(True) == 200
-
-
-# -- env=tools ------------------------------------------------------------------------------------
-
-
-def test_env_tools_composes_and_validates(fast_cfg):
-    from omegaconf import OmegaConf
-
-    from rlhf_lightning.envs.factory import env_factory
-    from rlhf_lightning.validation import validate
-
-    cfg = fast_cfg("env=tools", "model=tiny_chat", "rollout.tool_parser=pythonic")
-    validate(cfg)
-    e = cfg.env
-    assert (e.max_turns, e.concurrency, e.step_timeout_s) == (4, 8, 30.0)
-    kwargs = OmegaConf.to_container(e.kwargs, resolve=True)
-    assert kwargs["parser"] == "pythonic"
-    env = env_factory(e._target_, kwargs)()
-    assert isinstance(env, CalculatorToolEnv) and env.tool_schemas() == [get_json_schema(calculator)]
-    path = compose_path(fast_cfg)
-    assert Path(path) == TEMPLATE and TEMPLATE.is_file()
-
-
-def compose_path(fast_cfg) -> str:
-    """model.chat_template as the yaml's comment tells users to set it."""
-    return fast_cfg(
-        "env=tools", "model=tiny_chat", "model.chat_template=${asset:chat_templates/tools.jinja}"
-    ).model.chat_template
-
-
-class CalculatorPlayer(EngineBase):
-    """Plays env=tools for the tiny chat model (which never calls a tool): turn 1 calls the
-    calculator on the question's expression, turn 2 answers with its result (every other
-    episode off by one, so the rewards of a group differ and the step has a gradient)."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tok, self.turn_calls = tokenizer, 0
-
-    def generate(self, prompt_token_ids, params):
-        out = []
-        for i, ids in enumerate(prompt_token_ids):
-            text = self.tok.decode(ids)
-            results = re.findall(r"<tool_response>\n(-?\d+)\n", text)
-            if not results:
-                reply = call("calculator", expression=re.findall(r"What is (.+?)\?", text)[-1])
-            else:
-                reply = str(int(results[-1]) + i % 2)
-            reply_ids = self.tok(reply, add_special_tokens=False).input_ids + [self.tok.eos_token_id]
-            out.append(Completion(reply_ids, [-1.0] * len(reply_ids), "stop", i))
-        self.turn_calls += 1
-        return out
-
-
-@pytest.mark.slow
-def test_env_tools_trains_two_steps_on_tiny_chat(fast_cfg, tmp_path):
-    import lightning as L
-    import torch
-
-    from tests.conftest import fit_steps
-
-    class Metrics(L.Callback):
-        def __init__(self) -> None:
-            self.steps: list[dict[str, float]] = []
-
-        def on_train_batch_end(self, trainer, *args):
-            self.steps.append({k: float(v) for k, v in trainer.callback_metrics.items()})
-
-    cfg = fast_cfg("env=tools", "model=tiny_chat", "rollout.max_new_tokens=96", "algo.group_size=2")
-    # load_tokenizer takes a template string; a .jinja path needs the change to models/build.py
-    # described in the report, so the test sets the template's text.
-    cfg.model.chat_template = TEMPLATE.read_text()
-    before: dict[str, torch.Tensor] = {}
-
-    def hook(module):
-        module.engine = CalculatorPlayer(module.harness.tokenizer)
-        before.update({n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad})
-
-    metrics = Metrics()
-    module, trainer = fit_steps(cfg, tmp_path, steps=2, callbacks=[metrics], module_hook=hook)
-    assert trainer.global_step == 2
-    assert module.harness.formatter.tools == [get_json_schema(calculator)]
-    for step in metrics.steps:
-        assert step["rollout/num_turns"] == 2.0 and step["env/reward_errors"] == 0.0
-        assert step["env/tool_calls"] == 0.5  # one call in the first of two turns
-        assert step["env/correct"] == 0.25 and step["rollout/reward_mean"] == 0.5
-    moved = [n for n, p in module.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
-    assert moved, "no trainable parameter changed"

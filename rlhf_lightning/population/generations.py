@@ -1,0 +1,160 @@
+"""A population's generations: every member scored on held-out rows, tournament selection
+with elitism, parents cloned and mutated (every mutated value checked like a start-up value),
+and every birth recorded in ``lineage.csv``. :class:`Generations` is mixed into
+:class:`~rlhf_lightning.population.callback.Population`.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+from rlhf_lightning.algorithms.evaluation import episode_success
+from rlhf_lightning.population.checks import check_member
+from rlhf_lightning.population.evolution import MUTABLE, MutationRange, mutate, tournament_select
+from rlhf_lightning.population.members import Member
+from rlhf_lightning.runtime import rng as rng_state
+
+LINEAGE_FIELDS = ["step", "slot", "id", "parent", "event", "mutation", "parent_fitness", *MUTABLE]
+
+
+class Generations:
+    """Scoring, selection, cloning and the lineage of a population.
+
+    The attributes below are set by ``Population.__init__`` and ``on_fit_start``; ``load`` comes
+    from :class:`~rlhf_lightning.population.resident.ResidentMember`."""
+
+    module: Any
+    members: list[Member]
+    resident: int | None
+    size: int
+    steps: int
+    next_id: int
+    space: dict[str, MutationRange]
+    rng: random.Random
+    fitness_name: str
+    eval_rows: int
+    tournament_size: int
+    elitism: bool
+    no_mutation_prob: float
+    lineage: list[dict[str, Any]]
+    output_dir: Path
+    _base_temperature: float
+    _algo: dict[str, Any]
+
+    load: Callable[[int], None]  # ResidentMember.load: make a slot resident
+
+    def mutated(
+        self, hparams: dict[str, float], member_id: int, no_mutation_prob: float
+    ) -> tuple[dict[str, float], str]:
+        """:func:`mutate`, its result checked like a start-up value (a bad value never trains)."""
+        hp, how = mutate(hparams, self.space, self.rng, no_mutation_prob)
+        check_member(hp, self._algo, self.module.world_size, member_id)
+        return hp, how
+
+    def best_slot(self) -> int:
+        scores = [m.fitness if m.fitness is not None else float("-inf") for m in self.members]
+        return max(range(len(scores)), key=lambda i: (scores[i], -i))
+
+    @torch.no_grad()
+    def score(self, trainer: L.Trainer) -> list[float]:
+        """Each member's fitness on the first ``eval_rows`` held-out rows (all ranks: the mean).
+
+        Every member is scored at the same temperature (the config's rollout temperature, 0 for
+        ``*_greedy``): a member's own mutated temperature would favour low ones for being
+        evaluated at them."""
+        module = self.module
+        dm = trainer.datamodule  # type: ignore[attr-defined]
+        n = min(self.eval_rows, dm.eval_rows)
+        rows = list(range(module.rank, n, module.world_size))
+        temperature = self._base_temperature if self.fitness_name.endswith("_sampled") else 0.0
+        saved = rng_state.capture()  # scoring draws no numbers from training's streams
+        out = []
+        for slot in range(self.size):
+            self.load(slot)
+            params = dataclasses.replace(module.sampling, temperature=temperature)
+            result = module.rollout(rows, params, group_size=1, evaluation=True)
+            if self.fitness_name.startswith("accuracy"):
+                values = torch.tensor([episode_success(t) for t in result.trajectories])
+            else:
+                values = result.batch.returns.float().cpu()
+            total = torch.stack([values.sum(), torch.tensor(float(len(values)))]).to(module.device)
+            if module.world_size > 1:
+                total = module.all_gather(total).sum(0)
+            out.append(float(total[0] / total[1].clamp(min=1)))
+        rng_state.restore(saved)
+        return out
+
+    def evolve(self, trainer: L.Trainer) -> None:
+        fitness = self.score(trainer)  # scoring stored every member it swapped out; none trained since
+        for m, f in zip(self.members, fitness):
+            m.fitness = f
+        step, best = trainer.global_step, self.best_slot()
+        best_lr = float(self.members[best].hparams.get("lr", 0.0))
+        parents = tournament_select(fitness, self.rng, self.tournament_size, self.elitism)
+        new: list[Member] = []
+        for slot, p in enumerate(parents):
+            parent = self.members[p]
+            if slot == 0 and self.elitism:
+                child, event, how = parent.clone(parent.id), "elite", "none"
+                child.parent = parent.parent
+            else:
+                child = parent.clone(self.next_id)
+                self.next_id += 1
+                child.hparams, how = self.mutated(parent.hparams, child.id, self.no_mutation_prob)
+                event = "clone"
+            new.append(child)
+            self.record(step, slot, child, event, how, fitness[p])
+        self.members = new
+        self.check_ranks_agree()
+        self.resident = None  # the model holds an old member's state: load the next one fresh
+        self.load(self.steps % self.size)
+        self.module.log_metrics(
+            {
+                "population/fitness_best": torch.tensor(max(fitness)),
+                "population/fitness_mean": torch.tensor(sum(fitness) / len(fitness)),
+                "population/best_lr": torch.tensor(best_lr),  # the fittest member scored now
+            }
+        )
+        self.write_lineage(trainer)
+
+    def check_ranks_agree(self) -> None:
+        """Every rank must hold the same population after selection (same seed, same gathered
+        fitness): a cheap digest of ids and hyper-parameters is compared across ranks."""
+        module = self.module
+        if module.world_size <= 1:
+            return
+        digest = torch.tensor(
+            [[float(m.id), *(float(m.hparams.get(k) or 0.0) for k in MUTABLE)] for m in self.members],
+            dtype=torch.float64,
+            device=module.device,
+        )
+        gathered = module.all_gather(digest)
+        if not bool((gathered == gathered[0]).all()):
+            raise RuntimeError(
+                f"population: ranks disagree after selection at step {self.steps}: {gathered.tolist()}"
+            )
+
+    def record(
+        self, step: int, slot: int, member: Member | None, event: str, mutation: str, fitness: float | None
+    ) -> None:
+        m = member if member is not None else self.members[slot]
+        row = {"step": step, "slot": slot, "id": m.id, "parent": m.parent, "event": event, "mutation": mutation,
+               "parent_fitness": fitness, **{k: m.hparams.get(k) for k in MUTABLE}}  # fmt: skip
+        self.lineage.append(row)
+
+    def write_lineage(self, trainer: L.Trainer) -> None:
+        if not trainer.is_global_zero:
+            return
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        with (self.output_dir / "lineage.csv").open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=LINEAGE_FIELDS)
+            writer.writeheader()
+            writer.writerows(self.lineage)

@@ -1,0 +1,132 @@
+"""The resident member of a population: the one whose state is on the model.
+
+Its weights sit in the policy's adapter slots (and its own reference adapter, when the reference
+moves), its optimizer and scheduler state in Lightning's, its counters on the module and its
+hyper-parameters in ``module.hp`` and ``module.sampling``. :class:`ResidentMember` swaps members
+in and out (copies); :class:`~rlhf_lightning.population.callback.Population` mixes it in.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, cast
+
+import torch
+
+from rlhf_lightning.population.evolution import MUTABLE
+from rlhf_lightning.population.members import Member, copy_into
+
+MEMBER_COUNTERS = ("learn_steps",)  # module attributes each member carries (PPO's critic warm-up)
+
+
+class ResidentMember:
+    """Moves members' state on and off the model: :meth:`capture`, :meth:`store`, :meth:`load`.
+
+    The attributes below are set by ``Population.__init__`` and ``on_fit_start``."""
+
+    module: Any
+    members: list[Member]
+    resident: int | None  # the slot whose state is on the model
+    _base_hp: Any
+    _base_temperature: float
+    _ref_interval: int | None  # members' own references move every this many updates
+
+    def params(self) -> list[torch.nn.Parameter]:
+        return cast(list[torch.nn.Parameter], self.module.policy.trainable_parameters())
+
+    def optimizer(self) -> torch.optim.Optimizer:
+        opt = self.module.optimizers()
+        return cast(torch.optim.Optimizer, getattr(opt, "optimizer", opt))
+
+    def scheduler(self) -> Any:
+        return self.module.lr_schedulers()
+
+    def reference_params(self) -> list[torch.nn.Parameter]:
+        """The reference adapter's weights when it moves (each member has its own); else none."""
+        policy = self.module.policy
+        name = policy.reference_adapter if self._ref_interval else None
+        return [] if name is None else [p for n, p in policy.named_parameters() if f".{name}." in n]
+
+    def counters(self) -> dict[str, int]:
+        return {k: int(getattr(self.module, k)) for k in MEMBER_COUNTERS if hasattr(self.module, k)}
+
+    def capture(self, member_id: int, hparams: dict[str, float], parent: int | None = None) -> Member:
+        """The resident state as a new member (copies)."""
+        return Member(
+            member_id,
+            dict(hparams),
+            [p.detach().clone() for p in self.params()],
+            copy.deepcopy(self.optimizer().state_dict()),
+            copy.deepcopy(self.scheduler().state_dict()),
+            parent=parent,
+            reference=[p.detach().clone() for p in self.reference_params()],
+            counters=self.counters(),
+        )
+
+    def store(self) -> None:
+        """Copy the resident's state back into its member (after it trained)."""
+        if self.resident is None:
+            return
+        m = self.members[self.resident]
+        copy_into(m.weights, self.params())
+        copy_into(m.reference, self.reference_params())
+        m.optimizer = copy.deepcopy(self.optimizer().state_dict())
+        m.scheduler = copy.deepcopy(self.scheduler().state_dict())
+        m.counters = self.counters()
+
+    def load(self, slot: int) -> None:
+        """Make ``slot`` resident: weights, reference, optimizer and scheduler state, counters,
+        hyper-parameters."""
+        if self.resident == slot:
+            return
+        self.store()
+        m = self.members[slot]
+        copy_into(self.params(), m.weights)
+        copy_into(self.reference_params(), m.reference)
+        for name, value in m.counters.items():
+            setattr(self.module, name, value)
+        self.optimizer().load_state_dict(m.optimizer)
+        sched = self.scheduler()
+        sched.load_state_dict(m.scheduler)
+        self.apply_hparams(m.hparams)
+        self.resident = slot
+        if self.module.engine is not None:
+            self.module.engine.invalidate()  # another member's weights: the engine syncs before sampling
+
+    def apply_hparams(self, hp: dict[str, float]) -> None:
+        module = self.module
+        fields = {f.name for f in dataclasses.fields(self._base_hp)}
+        algo: dict[str, Any] = {k: v for k, v in hp.items() if k in fields and k != "temperature"}
+        if self._ref_interval:  # the population refreshes each member's own reference (refresh_reference)
+            algo["ref_update_interval"] = None
+        module.hp = dataclasses.replace(self._base_hp, **algo)
+        module.sampling = dataclasses.replace(
+            module.sampling, temperature=hp.get("temperature", self._base_temperature)
+        )
+        sched, opt = self.scheduler(), self.optimizer()
+        lrs = [hp.get("lr", self._base_hp.lr)] * len(opt.param_groups)
+        critic_lr = getattr(self._base_hp, "lr_critic", None)
+        if critic_lr is not None and len(lrs) > 1:
+            lrs[1] = critic_lr  # PPO's critic keeps its own configured lr
+        sched.base_lrs = list(lrs)
+        for group, base, fn in zip(opt.param_groups, lrs, sched.lr_lambdas):
+            group["initial_lr"] = base
+            group["lr"] = base * fn(sched.last_epoch)
+        module.objective = module.build_objective()
+
+    def initial_hparams(self) -> dict[str, float]:
+        hp = {k: getattr(self._base_hp, k) for k in MUTABLE if hasattr(self._base_hp, k)}
+        hp["temperature"] = self._base_temperature
+        return {k: v for k, v in hp.items() if v is not None}
+
+    def refresh_reference(self) -> None:
+        """Copy the resident's actor onto its own reference after every ``ref_update_interval``-th
+        update of that member (its scheduler's count: its own optimizer steps, a clone's counted
+        on from its parent's). Called before each optimizer step and at each batch end: the
+        actor is then as that count left it, so a repeated call copies the same weights."""
+        if not self._ref_interval or self.resident is None:
+            return
+        done = self.scheduler().last_epoch
+        if done > 0 and done % self._ref_interval == 0:
+            self.module.policy.copy_actor_to_reference()
