@@ -3,7 +3,7 @@
 Liger's fused linear loss computes the lm-head logits, the policy term, the KL term and their
 gradients chunk by chunk. It implements the same :class:`~rlhf_lightning.algorithms.objective.Objective`
 as :class:`~rlhf_lightning.algorithms.objective.PolicyObjective` for the combinations that
-:func:`~rlhf_lightning.ops.liger.liger_unsupported` accepts (validation refuses the others at
+:func:`liger_unsupported` accepts (validation refuses the others at
 start-up), and it is tested equal to it on the CPU through Liger's PyTorch path.
 """
 
@@ -18,10 +18,39 @@ from rlhf_lightning.algorithms.common import Metrics
 from rlhf_lightning.algorithms.objective import Backward, MicroBatch
 from rlhf_lightning.losses.corrections import truncated_importance_weights
 from rlhf_lightning.models.policy import Policy
-from rlhf_lightning.ops.liger import liger_available, liger_policy_loss
+from rlhf_lightning.ops.liger import (
+    LigerLoss,
+    liger_available,
+    liger_combinations,
+    liger_loss_type,
+    liger_policy_loss,
+)
 from rlhf_lightning.ops.logprobs import chunked_logprobs
 
 log = logging.getLogger(__name__)
+
+
+def liger_unsupported(hp: Any) -> str | None:
+    """Why Liger's loss cannot reproduce the algorithm config ``hp`` exactly, or None when it can
+    (start-up and population mutations are refused with this reason)."""
+    if hp.module != "grpo":
+        return f"algo.module={hp.module} (Liger's loss has no critic or entropy term; GRPO family only)"
+    if hp.mask_truncated:
+        return "algo.mask_truncated=true (Liger takes the action mask as the loss mask)"
+    if hp.offpolicy_token_bounds is not None or hp.offpolicy_seq_threshold:
+        return "off-policy masks (algo.offpolicy_token_bounds / offpolicy_seq_threshold)"
+    if liger_loss_type(hp.loss, hp.loss_agg_mode) is None:
+        supported = ", ".join(liger_combinations())
+        return f"algo.loss={hp.loss} with algo.loss_agg_mode={hp.loss_agg_mode} (Liger covers {supported})"
+    if hp.loss == "cispo" and hp.clip_low is not None:
+        return "algo.clip_low must be null for CISPO (Liger's CISPO has no lower bound)"
+    if hp.loss == "gspo" and (hp.is_level != "sequence" or hp.is_pooling != "mean"):
+        return "GSPO with turn-level or product pooling"
+    if hp.clip_ratio_c is not None:
+        return "algo.clip_ratio_c (dual clip)"
+    if hp.beta > 0 and (hp.kl_mode != "loss" or hp.kl_estimator != "k3" or hp.kl_clamp is not None):
+        return "a KL term other than k3 in the loss without clamp (set algo.kl_clamp=null)"
+    return None
 
 
 def use_liger(hp: Any, device: torch.device) -> bool:
@@ -62,7 +91,10 @@ class LigerObjective:
         world_size: int = 1,
         compiled: bool = True,
     ) -> None:
-        self.hp, self.temperature, self.chunk_rows, self.max_len = hp, temperature, chunk_rows, max_len
+        self.loss = LigerLoss(
+            hp.loss, hp.loss_agg_mode, hp.clip_low, hp.clip_high, hp.beta, hp.kl_importance_weighted
+        )
+        self.temperature, self.chunk_rows, self.max_len = temperature, chunk_rows, max_len
         self.tis_cap, self.world_size, self.compiled = tis_cap, world_size, compiled
 
     def __call__(
@@ -93,7 +125,7 @@ class LigerObjective:
             mb.old_logp,
             mb.ref_logp,
             None if weights is None else weights * mb.mask,
-            self.hp,
+            self.loss,
             temperature=self.temperature,
             max_len=self.max_len,
             world_size=self.world_size,

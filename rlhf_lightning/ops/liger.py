@@ -2,13 +2,14 @@
 
 Liger (``pip install 'rlhf_lightning[liger]'``) computes the lm-head logits, the objective and
 its gradients chunk by chunk in one fused pass. It covers a subset of our objectives;
-:func:`liger_unsupported` names what it does not cover, and the module falls back to our
+:func:`~rlhf_lightning.algorithms.liger_path.liger_unsupported` names what it does not cover, and the module falls back to our
 chunked op then. Aggregation is mapped onto Liger's ``loss_type`` and rescaled so that the
 loss is normalised over the whole accumulation window exactly like :func:`aggregate`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,28 +32,43 @@ def liger_available() -> bool:
     return True
 
 
-def liger_unsupported(hp: Any) -> str | None:
-    """Why Liger's loss cannot reproduce this config exactly, or None when it can."""
-    if not hasattr(hp, "loss") or hasattr(hp, "vf_coef") or getattr(hp, "entropy_coef", 0.0) > 0:
-        return f"algo.module={hp.module} (Liger's loss has no critic or entropy term; GRPO family only)"
-    if getattr(hp, "mask_truncated", False):
-        return "algo.mask_truncated=true (Liger takes the action mask as the loss mask)"
-    if getattr(hp, "offpolicy_token_bounds", None) is not None or getattr(
-        hp, "offpolicy_seq_threshold", None
-    ):
-        return "off-policy masks (algo.offpolicy_token_bounds / offpolicy_seq_threshold)"
-    if (hp.loss, hp.loss_agg_mode) not in _LOSS_TYPES:
-        supported = ", ".join(f"{a}+{b}" for a, b in _LOSS_TYPES)
-        return f"algo.loss={hp.loss} with algo.loss_agg_mode={hp.loss_agg_mode} (Liger covers {supported})"
-    if hp.loss == "cispo" and hp.clip_low is not None:
-        return "algo.clip_low must be null for CISPO (Liger's CISPO has no lower bound)"
-    if hp.loss == "gspo" and (hp.is_level != "sequence" or hp.is_pooling != "mean"):
-        return "GSPO with turn-level or product pooling"
-    if hp.clip_ratio_c is not None:
-        return "algo.clip_ratio_c (dual clip)"
-    if hp.beta > 0 and (hp.kl_mode != "loss" or hp.kl_estimator != "k3" or hp.kl_clamp is not None):
-        return "a KL term other than k3 in the loss without clamp (set algo.kl_clamp=null)"
-    return None
+@dataclass(frozen=True)
+class LigerLoss:
+    """The objective Liger's fused loss computes, as plain values (read from the algorithm config
+    at the module boundary).
+
+    Attributes:
+        loss: our policy loss (``ppo_clip``, ``cispo``, ``gspo``).
+        agg_mode: our aggregation (``token_mean``, ``seq_mean_token_mean``, ...).
+        clip_low, clip_high: the ratio's clip offsets (CISPO's ``clip_high`` is its cap - 1).
+        beta: the k3 KL term's coefficient (0: none).
+        kl_importance_weighted: the KL term weighted by the ratio (bias correction).
+    """
+
+    loss: str
+    agg_mode: str
+    clip_low: float | None
+    clip_high: float | None
+    beta: float = 0.0
+    kl_importance_weighted: bool = False
+
+    @property
+    def loss_type(self) -> str:
+        """Liger's ``loss_type`` for this (loss, aggregation): see :func:`liger_loss_type`."""
+        loss_type = liger_loss_type(self.loss, self.agg_mode)
+        if loss_type is None:
+            raise ValueError(f"Liger has no loss_type for {self.loss} with {self.agg_mode}")
+        return loss_type
+
+
+def liger_loss_type(loss: str, agg_mode: str) -> str | None:
+    """Liger's ``loss_type`` that equals our ``loss`` aggregated by ``agg_mode``, or None."""
+    return _LOSS_TYPES.get((loss, agg_mode))
+
+
+def liger_combinations() -> list[str]:
+    """The (loss, aggregation) pairs Liger covers, as ``loss+agg_mode``."""
+    return [f"{a}+{b}" for a, b in _LOSS_TYPES]
 
 
 def pack_actions(rows: torch.Tensor, action_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,7 +91,7 @@ def liger_policy_loss(
     old_logp: torch.Tensor | None,
     ref_logp: torch.Tensor | None,
     is_weights: torch.Tensor | None,
-    hp: Any,
+    objective: LigerLoss,
     *,
     temperature: float,
     max_len: int,
@@ -93,14 +109,14 @@ def liger_policy_loss(
         action_mask: Shape: (B, T)
         advantages: per sequence. Shape: (B,)
         old_logp, ref_logp, is_weights: per token, or None. Shape: (B, T)
-        hp: the algorithm config (objective, clip bounds, beta, aggregation).
+        objective: the loss, aggregation, clip bounds and KL term to compute.
         num_tokens, num_seqs: the window's normalisers (as passed to :func:`aggregate`).
 
     Returns:
         (scalar loss, metrics ``clipfrac`` and, with a KL term, ``kl``)
     """
-    loss_type = _LOSS_TYPES[(hp.loss, hp.loss_agg_mode)]
-    fn = _liger_loss(hp, loss_type, temperature=temperature, max_len=max_len, compiled=compiled)
+    loss_type = objective.loss_type
+    fn = _liger_loss(objective, loss_type, temperature=temperature, max_len=max_len, compiled=compiled)
     hidden, mask = pack_actions(rows, action_mask)
     ids, _ = pack_actions(targets, action_mask)
 
@@ -123,29 +139,30 @@ def liger_policy_loss(
         **extra,
     )
     out = {"clipfrac": metrics[-1].detach()}
-    if hp.beta > 0:
+    if objective.beta > 0:
         out["kl"] = metrics[0].detach()
     return loss * scale, out
 
 
-def _liger_loss(hp: Any, loss_type: str, *, temperature: float, max_len: int, compiled: bool) -> Any:
+def _liger_loss(o: LigerLoss, loss_type: str, *, temperature: float, max_len: int, compiled: bool) -> Any:
     """Liger's ``LigerFusedLinearGRPOLoss`` set up for our objective: clip bounds (CISPO's cap is
     absolute in Liger), sequence-level ratios for GSPO, a precomputed reference for the KL term."""
     from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
+    high = o.clip_high
+    if o.loss == "cispo" and high is not None:
+        high = 1.0 + high  # Liger's CISPO cap is absolute
     return LigerFusedLinearGRPOLoss(
-        beta=hp.beta,
+        beta=o.beta,
         compiled=compiled,
-        use_ref_model=hp.beta > 0,  # with precomputed ref_per_token_logps (no second model)
-        epsilon_low=hp.clip_low if hp.clip_low is not None else 0.0,
-        epsilon_high=(1.0 + hp.clip_high)
-        if hp.loss == "cispo"
-        else hp.clip_high,  # Liger's CISPO cap is absolute
+        use_ref_model=o.beta > 0,  # with precomputed ref_per_token_logps (no second model)
+        epsilon_low=o.clip_low if o.clip_low is not None else 0.0,
+        epsilon_high=high,
         loss_type=loss_type,
         max_completion_length=max_len,
-        importance_sampling_level="sequence" if hp.loss == "gspo" else "token",
+        importance_sampling_level="sequence" if o.loss == "gspo" else "token",
         temperature=temperature,
-        use_bias_correction_kl=hp.kl_importance_weighted,
+        use_bias_correction_kl=o.kl_importance_weighted,
     )
 
 

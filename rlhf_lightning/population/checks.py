@@ -76,7 +76,7 @@ def value_problem(name: str, value: float, algo: Mapping[str, Any], world_size: 
         if problem is not None:
             return problem
     if algo.get("use_liger_loss"):
-        from rlhf_lightning.ops.liger import liger_unsupported
+        from rlhf_lightning.algorithms.liger_path import liger_unsupported
 
         reason = liger_unsupported(SimpleNamespace(**{**algo, name: value}))
         if reason is not None:

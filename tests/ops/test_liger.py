@@ -8,9 +8,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from rlhf_lightning.algorithms.liger_path import liger_unsupported
 from rlhf_lightning.losses import aggregate, get_policy_loss, kl
 from rlhf_lightning.ops import chunked_logprobs
-from rlhf_lightning.ops.liger import liger_available, liger_policy_loss, liger_unsupported, pack_actions
+from rlhf_lightning.ops.liger import LigerLoss, liger_available, liger_policy_loss, pack_actions
 
 pytestmark = pytest.mark.skipif(
     not liger_available(), reason="liger-kernel is not installed (make install-dev installs it)"
@@ -31,6 +32,10 @@ def hp(**kw):
         kl_importance_weighted=False,
         is_level="sequence",
         is_pooling="mean",
+        module="grpo",
+        mask_truncated=False,
+        offpolicy_token_bounds=None,
+        offpolicy_seq_threshold=None,
     )
     base.update(kw)
     return SimpleNamespace(**base)
@@ -97,7 +102,7 @@ def test_liger_matches_our_path(h, with_is_weights):
         old,
         ref if h.beta > 0 else None,
         w,
-        h,
+        LigerLoss(h.loss, h.loss_agg_mode, h.clip_low, h.clip_high, h.beta, h.kl_importance_weighted),
         temperature=temperature,
         max_len=t,
         compiled=False,
