@@ -15,7 +15,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CASES = {"bad key (algo.lrr=1)": ["algo.lrr=1"], "bad value (algo.lr=-1)": ["algo.lr=-1"]}
+CASES = {
+    "bad key (algo.lrr=1)": ["algo.lrr=1"],
+    "bad value (algo.lr=-1)": ["algo.lr=-1"],
+    "bad loss name (algo.loss=foo)": ["algo.loss=foo"],
+    "bad KL mode (algo=ppo algo.kl_mode=bar)": ["algo=ppo", "algo.kl_mode=bar"],
+    "a family check after the imports (algo.group_size=1)": ["algo.group_size=1"],
+}
 
 
 def cpu_seconds(args: list[str]) -> tuple[float, float]:

@@ -12,6 +12,12 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from rlhf_lightning.algo_config import (
+    BUILTIN_AGGREGATION_MODES,
+    BUILTIN_KL_ESTIMATORS,
+    BUILTIN_OUTCOME_ADVANTAGES,
+    BUILTIN_POLICY_LOSSES,
+)
 from rlhf_lightning.errors import ConfigError, check, check_model_path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -183,6 +189,35 @@ def early_checks(cfg: DictConfig) -> None:
     validate_trainer(cfg.trainer)
     if is_typed(cfg.algo):  # a family's own YAML: validation.validate, once typed
         validate_optim(cfg.algo)
+    if cfg.algo.get("module") in ("grpo", "ppo"):  # a family outside may register names of its own
+        validate_rollout_names(cfg.algo)
+
+
+def validate_rollout_names(a: DictConfig) -> None:
+    """The built-in rollout families' choices by name: loss (a built-in name or a dotted path,
+    imported later), advantage estimator, aggregation, KL estimator and mode, the behaviour
+    log-probs' source. The family's checks run them again with the registries."""
+    one_of = ", ".join
+    if a.module == "grpo":
+        check(
+            a.loss in BUILTIN_POLICY_LOSSES or "." in str(a.loss),
+            "algo.loss",
+            a.loss,
+            f"one of {one_of(BUILTIN_POLICY_LOSSES)}, or the dotted path of a loss a module registers",
+        )
+        check(
+            a.advantage in BUILTIN_OUTCOME_ADVANTAGES,
+            "algo.advantage",
+            a.advantage,
+            f"one of {one_of(BUILTIN_OUTCOME_ADVANTAGES)} (gae needs a critic: use algo=ppo)",
+        )
+    for field, value, allowed in (
+        ("loss_agg_mode", a.loss_agg_mode, BUILTIN_AGGREGATION_MODES),
+        ("kl_estimator", a.kl_estimator, BUILTIN_KL_ESTIMATORS),
+        ("kl_mode", a.kl_mode, ("loss", "reward", "advantage")),
+        ("old_logprobs_source", a.old_logprobs_source, ("trainer", "rollout")),
+    ):
+        check(value in allowed, f"algo.{field}", value, f"one of {one_of(allowed)}")
 
 
 def is_typed(node: Any) -> bool:

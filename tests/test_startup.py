@@ -51,9 +51,28 @@ def test_a_typo_in_a_key_fails_before_the_heavy_imports():
         ("rollout.top_p=2", "error: invalid config: rollout.top_p=2.0: in (0, 1]"),
         ("model.dtype=fp8", "error: invalid config: model.dtype='fp8'"),
         ("trainer.max_steps=0", "error: invalid config: trainer.max_steps=0"),
+        ("algo.loss=foo", "error: invalid config: algo.loss='foo': one of cispo, gspo, ppo_clip, reinforce"),
+        ("algo.advantage=gae", "error: invalid config: algo.advantage='gae'"),
+        ("algo=ppo algo.kl_mode=bar", "error: invalid config: algo.kl_mode='bar': one of loss, reward"),
     ],
 )
 def test_a_bad_common_value_fails_before_the_heavy_imports(override, message):
-    stderr, modules = failed_run(override)
+    stderr, modules = failed_run(*override.split())
     assert message in stderr
     assert not modules & set(HEAVY), sorted(modules & set(HEAVY))
+
+
+def test_the_early_name_lists_are_the_registries_names():
+    """The names field_checks accepts before torch are exactly the registries' built-in ones
+    (read in a fresh interpreter: a test may have registered a loss of its own in this one)."""
+    code = (
+        "from rlhf_lightning import algo_config as ac\n"
+        "from rlhf_lightning.losses import ADVANTAGE_ESTIMATORS as A, AGGREGATION_MODES, KL_ESTIMATORS, POLICY_LOSSES\n"
+        "outcome = [n for n in A.names() if A.meta(n).get('kind') == 'outcome']\n"
+        "assert list(ac.BUILTIN_POLICY_LOSSES) == POLICY_LOSSES.names(), POLICY_LOSSES.names()\n"
+        "assert list(ac.BUILTIN_OUTCOME_ADVANTAGES) == outcome, outcome\n"
+        "assert ac.BUILTIN_AGGREGATION_MODES == tuple(AGGREGATION_MODES), AGGREGATION_MODES\n"
+        "assert ac.BUILTIN_KL_ESTIMATORS == tuple(KL_ESTIMATORS), KL_ESTIMATORS\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
