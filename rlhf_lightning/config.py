@@ -85,6 +85,19 @@ class RolloutConfig:
     stop_token_ids: list[int] = field(default_factory=list)  # extra stop ids besides the eos token
     # How tool calls are read from a reply (env=tools): a name in rlhf_lightning.envs.tool_parsers
     tool_parser: str = "hermes"
+    # sync: generate, then update, in every step. async: a producer process with its own copy of
+    # the model generates the next batches while the trainer updates (docs/guides/async.md).
+    mode: str = "sync"
+    # async: batch t is generated with the weights after update t - max_staleness (0: lockstep,
+    # the synchronous run's batches through the producer)
+    max_staleness: int = 1
+    partial: bool = (
+        False  # async: turn j of a multi-turn batch uses j versions newer weights (up to the current)
+    )
+    producer_threads: int | None = None  # async: the producer's torch threads; null: the trainer's
+    async_timeout_s: float = (
+        600.0  # async: the longest wait for the producer before the run stops with an error
+    )
 
 
 @dataclass

@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Any, cast
 
 import lightning as L
+import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from rlhf_lightning.algorithms.async_rollout import AsyncRollouts, AsyncSettings
 from rlhf_lightning.algorithms.checks import resolve_clip_defaults
 from rlhf_lightning.algorithms.spec import AlgorithmSpec, get_algorithm
 from rlhf_lightning.callbacks import AdapterExport, SameConfigOnAllRanks, SampleTable, config_digest
@@ -194,6 +196,48 @@ def population_callback(p: DictConfig, output_dir: Path, seed: int) -> Populatio
     )
 
 
+# ---------------------------------------------------------------- asynchronous rollouts
+@dataclass(frozen=True)
+class ProducerBuild:
+    """Builds the rollout producer's parts in its own process (``rollout.mode=async``): the
+    harness, the engine and a policy of the same structure as the trainer's actor (no reference,
+    no critic), from the run's resolved config (YAML, so it pickles)."""
+
+    config_yaml: str
+
+    def __call__(self) -> tuple[RolloutHarness, Any, Policy]:
+        cfg = cast(DictConfig, OmegaConf.create(self.config_yaml))
+        m, a = cfg.model, cfg.algo
+        spec = get_algorithm(a.module)
+        tokenizer = tokenizer_from(m, cfg.env)
+        harness, _, _ = harness_from(cfg, tokenizer, spec)
+        policy = build_policy(
+            model_from(m),
+            finetune=m.finetune,
+            lora_r=m.lora.r,
+            lora_alpha=m.lora.alpha,
+            lora_dropout=m.lora.dropout,
+            lora_target_modules=m.lora.target_modules,
+            adapter_path=m.adapter_path,
+        )
+        return harness, build_engine(cfg, policy, tokenizer), policy
+
+
+def async_rollouts_from(cfg: DictConfig) -> AsyncRollouts | None:
+    """The ``rollout`` node's producer (``mode=async``), or None (``sync``)."""
+    r = cfg.rollout
+    if r.mode != "async":
+        return None
+    settings = AsyncSettings(
+        max_staleness=r.max_staleness,
+        partial=r.partial,
+        timeout_s=r.async_timeout_s,
+        threads=r.producer_threads or torch.get_num_threads(),
+        seed=cfg.seed,
+    )
+    return AsyncRollouts(ProducerBuild(OmegaConf.to_yaml(cfg, resolve=True)), settings, cfg.env.max_turns)
+
+
 # ---------------------------------------------------------------- module and data
 def build(cfg: DictConfig, output_dir: Path) -> tuple[L.LightningModule, L.LightningDataModule]:
     """Tokenizer, env, model, engine and LightningModule from a validated config."""
@@ -222,6 +266,7 @@ def build(cfg: DictConfig, output_dir: Path) -> tuple[L.LightningModule, L.Light
             **evals,
             num_samples_to_keep=cfg.samples.num,
             num_train_rows=train_rows,
+            async_rollouts=async_rollouts_from(cfg),
         )
         dm: L.LightningDataModule = PromptDataModule(
             train_rows, eval_rows, a.prompts_per_step, cfg.eval.batch_size, seed=cfg.seed

@@ -139,6 +139,26 @@ def validate_rollout(r: DictConfig) -> None:
         r.max_batch_size,
         "> 0 or null",
     )
+    validate_async_fields(r)
+
+
+def validate_async_fields(r: DictConfig) -> None:
+    """``rollout.mode`` and the asynchronous rollouts' own fields."""
+    check(r.mode in ("sync", "async"), "rollout.mode", r.mode, "sync or async")
+    check(r.max_staleness >= 0, "rollout.max_staleness", r.max_staleness, ">= 0 versions (0: lockstep)")
+    check(
+        not r.partial or r.mode == "async",
+        "rollout.partial",
+        r.partial,
+        "false with rollout.mode=sync (partial rollouts continue episodes under newer weights: async only)",
+    )
+    check(
+        r.producer_threads is None or r.producer_threads >= 1,
+        "rollout.producer_threads",
+        r.producer_threads,
+        ">= 1, or null (the trainer's)",
+    )
+    check(r.async_timeout_s > 0, "rollout.async_timeout_s", r.async_timeout_s, "> 0 seconds")
 
 
 def validate_trainer(t: DictConfig) -> None:

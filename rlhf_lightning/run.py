@@ -216,6 +216,7 @@ def _fit(
             show_result(output_dir, trainer, exit_code, time.perf_counter() - started)
     finally:
         cbs.engine.close(module)
+        cast(Any, module).close()  # its workers (the async rollout producer)
         finish_wandb()
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     objective = None

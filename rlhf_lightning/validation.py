@@ -196,10 +196,40 @@ def validate(cfg: DictConfig) -> None:
     from rlhf_lightning.population.checks import validate_population
 
     validate_population(cfg.population, spec, cfg)
+    if cfg.rollout.mode == "async":
+        validate_async(cfg, spec.data)
     validate_reward_and_env(cfg)
     check(cfg.logger.name in LOGGERS, "logger.name", cfg.logger.name, f"one of {', '.join(LOGGERS)}")
     validate_strategy(cfg)
     validate_run_fields(cfg)
+
+
+def validate_async(cfg: DictConfig, data: str) -> None:
+    """``rollout.mode=async``: what the producer process supports (docs/guides/async.md)."""
+    check(
+        data == "online",
+        "rollout.mode",
+        "async",
+        f"sync for algo.module={cfg.algo.module}: it trains on a dataset, there are no rollouts to overlap",
+    )
+    check(
+        cfg.rollout.engine == "hf",
+        "rollout.engine",
+        cfg.rollout.engine,
+        "hf with rollout.mode=async (a vLLM producer on devices of its own is not built yet)",
+    )
+    check(
+        cfg.strategy.name in ("auto", "ddp"),
+        "strategy",
+        cfg.strategy.name,
+        "auto or ddp with rollout.mode=async (every rank runs its own producer with full weights)",
+    )
+    check(
+        cfg.population.size == 1,
+        "population.size",
+        cfg.population.size,
+        "1 with rollout.mode=async (members swap into the one policy between steps)",
+    )
 
 
 def validate_reward_and_env(cfg: DictConfig) -> None:

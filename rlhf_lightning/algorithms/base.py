@@ -14,20 +14,21 @@ is one :class:`~rlhf_lightning.algorithms.objective.Objective`; the rest lives h
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
+from rlhf_lightning.algorithms.async_rollout import AsyncRollouts, BatchSource
+from rlhf_lightning.algorithms.collector import Collector, actor_source
 from rlhf_lightning.algorithms.common import MetricAccumulator, Metrics
-from rlhf_lightning.algorithms.diagnostics import rollout_metrics, warn_on_engine_gap
+from rlhf_lightning.algorithms.diagnostics import rollout_metrics, sample_rows, warn_on_engine_gap
 from rlhf_lightning.algorithms.evaluation import RolloutEvaluation
 from rlhf_lightning.algorithms.liger_path import use_liger
 from rlhf_lightning.algorithms.objective import CriticTerm, MicroBatch, Objective, PolicyTerm
 from rlhf_lightning.algorithms.objective_build import build_objective
-from rlhf_lightning.algorithms.optimizer import adamw_with_schedule
-from rlhf_lightning.algorithms.records import Advantages, Scored
+from rlhf_lightning.algorithms.optimizer import adamw_with_schedule, total_optimizer_steps
+from rlhf_lightning.algorithms.records import Advantages, Scored, UpdateInputs
 from rlhf_lightning.algorithms.scoring import Scorer, finalize_rewards
 from rlhf_lightning.algorithms.update_plan import UpdatePlan, no_grad_head
 from rlhf_lightning.envs.harness import RolloutHarness, RolloutResult
@@ -35,20 +36,7 @@ from rlhf_lightning.envs.trajectory import TrajectoryBatch
 from rlhf_lightning.models.policy import Policy
 from rlhf_lightning.models.sharding import gathered
 from rlhf_lightning.rollout.engine import RolloutEngine, SamplingParams
-from rlhf_lightning.rollout.hooks import RolloutHooks
-
-
-@dataclass(frozen=True)
-class _MiniBatchStep:
-    """What every mini-batch of one update reads: the batch, its scores and log-probs, the
-    objective and the rows' lengths (for token-budget micro-batches)."""
-
-    traj: TrajectoryBatch
-    scored: Scored
-    old_logp: torch.Tensor | None
-    ref_logp: torch.Tensor | None
-    objective: Objective
-    lengths: list[int]
+from rlhf_lightning.rollout.hooks import RolloutHooks, hook_callbacks
 
 
 class RolloutModule(RolloutEvaluation):
@@ -79,8 +67,10 @@ class RolloutModule(RolloutEvaluation):
         num_samples_to_keep: int = 4,
         num_train_rows: int | None = None,
         eval_num_samples: int = 1,
+        async_rollouts: AsyncRollouts | None = None,
     ) -> None:
         super().__init__(policy, hp)
+        self.collector = Collector(async_rollouts)  # the training rollouts: now, or from the producer
         self.harness = harness
         self.engine = engine
         self.sampling = sampling
@@ -136,7 +126,22 @@ class RolloutModule(RolloutEvaluation):
 
     def collect(self, rows: list[int]) -> tuple[RolloutResult, Metrics]:
         """Training rollouts for ``rows`` (GRPO's dynamic sampling overrides this)."""
-        return self.rollout(rows, self.sampling, group_size=self.hp.group_size), {}
+        return self.training_rollout(rows)
+
+    def training_rollout(self, rows: list[int]) -> tuple[RolloutResult, Metrics]:
+        """This step's episodes for ``rows``: generated now with the current weights, or with
+        ``rollout.mode=async`` the producer's batch (generated ahead, with its versions)."""
+        return self.collector.collect(
+            rows,
+            lambda r: self.rollout(r, self.sampling, group_size=self.hp.group_size),
+            self.sampling,
+            self.hp.group_size,
+            self.producer_view,
+        )
+
+    def producer_view(self) -> BatchSource:
+        """What the producer needs of this trainer (``rollout.mode=async``): :func:`actor_source`."""
+        return actor_source(self.policy, self.rank, lambda: self.trainer.train_dataloader)
 
     def on_fit_start(self) -> None:
         self.objective = self.build_objective()
@@ -173,13 +178,17 @@ class RolloutModule(RolloutEvaluation):
             self.report_phase("log-probs and advantages")
             t_rollout = time.perf_counter() - t_start
             # 2. Log-probs the update needs, once, without gradients.
-            old_logp = self.old_logprobs(traj)  # None: on-policy, the update's own log-probs (detached)
+            # None: on-policy, the update's own log-probs (detached); never for a stale batch.
+            old_logp = self.old_logprobs(traj, stale=self.collector.is_stale(result))
             ref_logp = self.batched_logprobs(traj, reference=True) if self.hp.beta > 0 else None
             # 3. Score: rewards -> advantages; pick the tokens that count in the loss.
             scored = self.score(traj, old_logp, ref_logp)
             metrics.update(scored.metrics)
         # 4. Optimize: update_epochs x mini-batches, each accumulated over micro-batches.
         metrics.update(self.update(traj, scored, old_logp, ref_logp))
+        self.collector.step_done(
+            self.sampling, self.hp.group_size, self.producer_view
+        )  # async: new weights out
         # 5. Log.
         step_s = time.perf_counter() - t_start
         metrics.update(rollout_metrics(traj, result.metrics))
@@ -200,11 +209,7 @@ class RolloutModule(RolloutEvaluation):
 
     def rollout_hooks(self) -> list[RolloutHooks]:
         """The trainer's callbacks that take this module's own hooks (:class:`RolloutHooks`)."""
-        if self._trainer is None:
-            return []
-        return [
-            cb for cb in cast(list, getattr(self.trainer, "callbacks", [])) if isinstance(cb, RolloutHooks)
-        ]
+        return hook_callbacks(self.trainer if self._trainer is not None else None)
 
     def report_phase(self, text: str) -> None:
         """Tell the hook callbacks (the progress bar) where the step is."""
@@ -222,12 +227,14 @@ class RolloutModule(RolloutEvaluation):
         population member's group size may differ)."""
         return UpdatePlan.from_hp(self.hp, self.world_size)
 
-    def old_logprobs(self, traj: TrajectoryBatch) -> torch.Tensor | None:
+    def old_logprobs(self, traj: TrajectoryBatch, stale: bool = False) -> torch.Tensor | None:
         """The behaviour log-probs the ratios use.
 
         ``old_logprobs_source=rollout``: the engine's sampling log-probs (no extra pass).
         ``trainer``: a no-grad pass, skipped when the update is on-policy and nothing before the
-        update needs them (off-policy masking, KL in reward or advantages).
+        update needs them (off-policy masking, KL in reward or advantages). A ``stale`` batch
+        (asynchronous rollouts) is never on-policy: the pass gives the proximal log-probs, and
+        truncated importance weights (``tis_cap``) correct them to the engine's.
         """
         if self.hp.old_logprobs_source == "rollout":
             return traj.sampling_logps
@@ -236,7 +243,7 @@ class RolloutModule(RolloutEvaluation):
             or self.hp.offpolicy_seq_threshold is not None
             or (self.hp.beta > 0 and self.hp.kl_mode != "loss")
         )
-        if self.plan.is_on_policy(len(traj)) and not needed_before_update:
+        if self.plan.is_on_policy(len(traj)) and not needed_before_update and not stale:
             return None
         return self.batched_logprobs(traj)
 
@@ -268,7 +275,7 @@ class RolloutModule(RolloutEvaluation):
         takes the same number of optimizer steps; micro-batch counts may differ freely."""
         sched = cast(LRScheduler, self.lr_schedulers())
         plan, n, mask = self.plan, len(traj), scored.mask
-        step = _MiniBatchStep(
+        step = UpdateInputs(
             traj, scored, old_logp, ref_logp, self.objective_for(scored), plan.row_lengths(traj)
         )
         # Rows whose advantage is 0 everywhere add no gradient unless a KL loss term is used.
@@ -287,7 +294,7 @@ class RolloutModule(RolloutEvaluation):
         return {k: v.detach().float().cpu() for k, v in out.items()}
 
     def mini_batch_step(
-        self, step: _MiniBatchStep, mb: torch.Tensor, run: torch.Tensor, mini: int, acc: MetricAccumulator
+        self, step: UpdateInputs, mb: torch.Tensor, run: torch.Tensor, mini: int, acc: MetricAccumulator
     ) -> None:
         """One optimizer step on mini-batch ``mb`` (row indices), accumulated over micro-batches of
         the rows that ``run``; normalised by the whole mini-batch, global over ranks."""
@@ -296,17 +303,7 @@ class RolloutModule(RolloutEvaluation):
         zero = torch.zeros((), device=self.device)
         mb_loss, mb_actor = zero, zero
         for index, weight in self.lockstep(self.plan.micro_chunks(run, step.lengths, mini)):
-            loss, m = self.micro_step(
-                step.traj,
-                step.scored,
-                step.old_logp,
-                step.ref_logp,
-                index,
-                norm,
-                step.objective,
-                actor,
-                weight,
-            )
+            loss, m = self.micro_step(step, index, norm, actor, weight)
             self.backward_(loss)
             if not weight:
                 continue  # FSDP padding: same passes as the other ranks, no gradient
@@ -342,24 +339,19 @@ class RolloutModule(RolloutEvaluation):
 
     def micro_step(
         self,
-        traj: TrajectoryBatch,
-        scored: Scored,
-        old_logp: torch.Tensor | None,
-        ref_logp: torch.Tensor | None,
+        step: UpdateInputs,
         index: torch.Tensor,
         norm: dict[str, Any],
-        objective: Objective,
         actor: bool = True,
         weight: float = 1.0,
     ) -> tuple[torch.Tensor, Metrics]:
-        """The loss of one micro-batch, already normalised for the whole mini-batch, times
+        """The loss of micro-batch ``index``, already normalised for the whole mini-batch, times
         ``weight`` (0 for FSDP's padding micro-batches; a separate critic pass is scaled too)."""
-        mb = MicroBatch.rows_of(
-            traj, scored, index, old_logp, ref_logp if self.hp.kl_mode == "loss" else None
-        )
+        ref = step.ref_logp if self.hp.kl_mode == "loss" else None
+        mb = MicroBatch.rows_of(step.traj, step.scored, index, step.old_logp, ref)
         if weight == 1.0:
-            return objective(self.policy, mb, norm, self.backward_, actor)
-        loss, m = objective(self.policy, mb, norm, lambda part: self.backward_(part * weight), actor)
+            return step.objective(self.policy, mb, norm, self.backward_, actor)
+        loss, m = step.objective(self.policy, mb, norm, lambda part: self.backward_(part * weight), actor)
         return loss * weight, m
 
     @property
@@ -373,19 +365,28 @@ class RolloutModule(RolloutEvaluation):
             self._warned_gap_at = self.global_step
 
     def keep_samples(self, result: RolloutResult) -> None:
-        self.last_samples = [
-            {"prompt": t.prompt_text, "completion": t.completion_text, "reward": sum(t.rewards)}
-            for t in result.trajectories[: self.num_samples_to_keep]
-        ]
+        self.last_samples = sample_rows(result.trajectories[: self.num_samples_to_keep])
+
+    # ---------------------------------------------------------------- state and workers
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        checkpoint["collector"] = self.collector.state_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        steps = checkpoint.get("global_step", 0) // max(self.plan.optimizer_steps_per_batch(), 1)
+        self.collector.load_state_dict(checkpoint.get("collector", {}), steps)
+
+    def close(self) -> None:
+        """Stop the rollout producer (``rollout.mode=async``); the run calls this at its end."""
+        self.collector.close()
+
+    def teardown(self, stage: str) -> None:
+        self.close()
 
     # ---------------------------------------------------------------- optimisation
     def configure_optimizers(self) -> Any:
         return adamw_with_schedule(self.policy.trainable_parameters(), self.hp, self.total_optimizer_steps())
 
     def total_optimizer_steps(self) -> int:
-        trainer = self._trainer
-        if trainer is None:
-            return 1
-        if trainer.max_steps and trainer.max_steps > 0:
-            return trainer.max_steps
-        return max(int(trainer.estimated_stepping_batches) * self.plan.optimizer_steps_per_batch(), 1)
+        return total_optimizer_steps(self._trainer, self.plan.optimizer_steps_per_batch())

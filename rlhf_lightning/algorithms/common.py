@@ -195,6 +195,9 @@ class ModuleMixin(L.LightningModule):
         if states:
             self._pending_rng = states[self.rank] if self.rank < len(states) else states[0]
 
+    def close(self) -> None:
+        """Stop any worker of the module's own (the run calls this at its end, also on failure)."""
+
     def rng_generators(self) -> dict[str, torch.Generator]:
         """Generators of the module's own that a resume must restore (beside the global ones)."""
         return {}

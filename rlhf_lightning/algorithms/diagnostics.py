@@ -80,3 +80,11 @@ def warn_on_engine_gap(metrics: dict[str, torch.Tensor], tis_cap: float | None) 
         100 * IS_CLIP_WARN,
     )
     return True
+
+
+def sample_rows(trajectories: list[Any]) -> list[dict[str, Any]]:
+    """Prompt, completion and reward of each trajectory (the samples table, ``samples.num``)."""
+    return [
+        {"prompt": t.prompt_text, "completion": t.completion_text, "reward": sum(t.rewards)}
+        for t in trajectories
+    ]

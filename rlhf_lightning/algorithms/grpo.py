@@ -60,9 +60,9 @@ class GRPOModule(RolloutModule):
 
     # ---------------------------------------------------------------- DAPO dynamic sampling
     def collect(self, rows: list[int]) -> tuple[RolloutResult, Metrics]:
-        result = self.rollout(rows, self.sampling, group_size=self.hp.group_size)
+        result, first = self.training_rollout(rows)  # refills below: now, with the current weights
         if not self.hp.dynamic_sampling:
-            return result, {}
+            return result, first
         target = len(rows)
         kept = self.informative(result)
         dropped = len(result.trajectories) // self.hp.group_size - len(kept)
@@ -77,6 +77,7 @@ class GRPOModule(RolloutModule):
             kept += new
             rounds += 1
         metrics = {
+            **first,
             "rollout/dropped_groups": torch.tensor(float(dropped)),
             "rollout/resample_rounds": torch.tensor(float(rounds)),
             "rollout/informative_groups": torch.tensor(float(min(len(kept), target))),

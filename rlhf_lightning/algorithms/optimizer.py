@@ -94,3 +94,13 @@ def refresh_reference(policy: Any, interval: int | None, step: int) -> None:
     makes sure there is a separate reference adapter to copy onto)."""
     if interval and step % interval == 0:
         policy.copy_actor_to_reference()
+
+
+def total_optimizer_steps(trainer: Any, steps_per_batch: int) -> int:
+    """The schedule's length: ``trainer.max_steps`` when set, else the batches the trainer will
+    run times the optimizer steps of each (1 outside a trainer)."""
+    if trainer is None:
+        return 1
+    if trainer.max_steps and trainer.max_steps > 0:
+        return trainer.max_steps
+    return max(int(trainer.estimated_stepping_batches) * steps_per_batch, 1)

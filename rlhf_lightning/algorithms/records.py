@@ -11,8 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+
+from rlhf_lightning.envs.trajectory import TrajectoryBatch
 
 Metrics = dict[str, torch.Tensor]
 
@@ -103,3 +106,17 @@ class StepSummary:
             loss=values.get("actor/loss"),
             lr=values.get("actor/lr"),
         )
+
+
+@dataclass(frozen=True)
+class UpdateInputs:
+    """What every mini-batch of one update reads: the batch, its scores, its behaviour and
+    reference log-probs (B, T) or None, the objective, and every row's length (token-budget
+    micro-batches; empty otherwise)."""
+
+    traj: TrajectoryBatch
+    scored: Scored
+    old_logp: torch.Tensor | None
+    ref_logp: torch.Tensor | None
+    objective: Any
+    lengths: list[int]

@@ -45,6 +45,15 @@ class ResumableSampler(DistributedSampler):
         usable = self.num_samples  # drop_last: the same length as the distributed case
         return order[:usable].tolist()
 
+    def indices_of_epoch(self, epoch: int) -> list[int]:
+        """This rank's indices of ``epoch`` (:meth:`permutation` of that epoch; no state changes)."""
+        current = self.epoch
+        self.epoch = epoch
+        try:
+            return self.permutation()
+        finally:
+            self.epoch = current
+
     def __iter__(self) -> Iterator[int]:
         indices = self.permutation()
         if self.epoch == self.resume_epoch:
@@ -78,6 +87,17 @@ class ResumableLoader(DataLoader):
         sampler = self.sampler
         assert isinstance(sampler, ResumableSampler)
         sampler.resume(state["epoch"], state["batches"] * state["batch_size"])
+
+
+def rows_of_batch(loader: DataLoader, batch: int) -> list[int]:
+    """The rows the train ``loader`` yields as its ``batch``-th batch since epoch 0 (full epochs
+    of whole batches, as its sampler drops the last partial one): what the training loop will
+    receive at that step, known ahead (asynchronous rollouts generate for it early)."""
+    sampler, size = loader.sampler, int(loader.batch_size or 1)
+    assert isinstance(sampler, ResumableSampler)
+    per_epoch = len(sampler) // size
+    epoch, j = divmod(batch, per_epoch)
+    return sampler.indices_of_epoch(epoch)[j * size : (j + 1) * size]
 
 
 def resumable_loader(

@@ -45,10 +45,20 @@ class Trajectory:
         default_factory=list
     )  # the env's own per-turn rewards (before reward=...)
     reward_parts: dict[str, float] = field(default_factory=dict)  # raw score of each reward component
+    # The policy version (optimizer updates done) that generated each turn: set by asynchronous
+    # rollouts (``rollout.mode=async``), empty otherwise (the current weights).
+    turn_versions: list[int] = field(default_factory=list)
 
     @property
     def num_turns(self) -> int:
         return len(self.rewards)
+
+    def token_versions(self) -> list[int]:
+        """The policy version of every token in ``token_ids``: its turn's, -1 where the engine did
+        not generate it (and everywhere without ``turn_versions``)."""
+        if not self.turn_versions:
+            return [-1] * len(self.token_ids)
+        return [self.turn_versions[t] if t >= 0 else -1 for t in self.action_turn]
 
     def turn_starts(self) -> list[int]:
         """Index in ``token_ids`` of each turn's first generated token."""

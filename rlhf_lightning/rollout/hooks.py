@@ -15,3 +15,8 @@ class RolloutHooks:
 
     def on_phase(self, trainer: Any, pl_module: Any, text: str) -> None:
         """Where a long training step is (``rollout: turn 2/5, 37 episodes``, ``update 2/4``)."""
+
+
+def hook_callbacks(trainer: Any) -> list[RolloutHooks]:
+    """``trainer``'s callbacks that take the rollout hooks (none without a trainer)."""
+    return [cb for cb in getattr(trainer, "callbacks", None) or [] if isinstance(cb, RolloutHooks)]

@@ -70,10 +70,10 @@ def fit_recording_chunks(tmp_path, overrides: list[str]):
     def hook(module):
         original = module.micro_step
 
-        def spy(traj, scored, old_logp, ref_logp, index, *args, **kwargs):
-            width = int(traj.attention_mask[index].sum(-1).max())
+        def spy(step, index, *args, **kwargs):
+            width = int(step.traj.attention_mask[index].sum(-1).max())
             chunks.append((len(index), len(index) * width))
-            return original(traj, scored, old_logp, ref_logp, index, *args, **kwargs)
+            return original(step, index, *args, **kwargs)
 
         module.micro_step = spy
 

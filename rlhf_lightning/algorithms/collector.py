@@ -1,0 +1,85 @@
+"""The collector: a rollout module's training rollouts, step by step.
+
+Synchronous (``rollout.mode=sync``): the step's episodes are generated now, by the module's
+engine, with the current weights. Asynchronous: they come from the producer process
+(:class:`~rlhf_lightning.algorithms.async_rollout.AsyncRollouts`), generated ahead with the
+versions its staleness bound allows; after each update the collector publishes the new weights
+and requests the next batch. The collector counts the steps done (the policy version) and
+checkpoints what a resume needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from rlhf_lightning.algorithms.async_rollout import AsyncRollouts, BatchSource, is_stale
+from rlhf_lightning.data.resumable import rows_of_batch
+from rlhf_lightning.envs.harness import RolloutResult
+from rlhf_lightning.rollout.engine import SamplingParams
+
+Metrics = dict[str, torch.Tensor]
+
+
+class Collector:
+    """Training rollouts now or from the producer.
+
+    Args:
+        async_rollouts: the producer's trainer side (``rollout.mode=async``), or None.
+    """
+
+    def __init__(self, async_rollouts: AsyncRollouts | None = None) -> None:
+        self.async_rollouts = async_rollouts
+        self.batches_done = 0  # training steps done: the current policy version
+
+    def collect(
+        self,
+        rows: list[int],
+        generate_now: Callable[[list[int]], RolloutResult],
+        sampling: SamplingParams,
+        group_size: int,
+        source: Callable[[], BatchSource],
+    ) -> tuple[RolloutResult, Metrics]:
+        """This step's episodes for ``rows``, and the producer's ``async/*`` metrics."""
+        if self.async_rollouts is None:
+            return generate_now(rows), {}
+        return self.async_rollouts.rollout(self.batches_done, rows, sampling, group_size, source())
+
+    def is_stale(self, result: RolloutResult) -> bool:
+        """Whether ``result`` was generated with weights older than the current ones."""
+        return is_stale(result, self.batches_done)
+
+    def step_done(self, sampling: SamplingParams, group_size: int, source: Callable[[], BatchSource]) -> None:
+        """One more update: the new version goes to the producer with the next request."""
+        self.batches_done += 1
+        if self.async_rollouts is not None:
+            self.async_rollouts.updated(self.batches_done, sampling, group_size, source())
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"batches_done": self.batches_done}
+        if self.async_rollouts is not None:
+            state["async"] = self.async_rollouts.state_dict(self.batches_done)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any], batches_done: int) -> None:
+        """``state`` from :meth:`state_dict` (``batches_done``: for a checkpoint without one)."""
+        self.batches_done = state.get("batches_done", batches_done)
+        if self.async_rollouts is not None:
+            self.async_rollouts.load_state_dict(state.get("async", {}))
+
+    def close(self) -> None:
+        if self.async_rollouts is not None:
+            self.async_rollouts.close()
+
+
+def actor_source(policy: Any, rank: int, loader: Callable[[], Any]) -> BatchSource:
+    """The producer's view of the trainer: ``rank``, a CPU copy of ``policy``'s actor weights
+    (by the role the policy was built with), the rows of the train ``loader()``'s future batches."""
+    actor = policy.roles["actor"]
+
+    def weights() -> dict[str, torch.Tensor]:
+        return {n: p.detach().to("cpu", copy=True) for n, p in policy.named_parameters() if n in actor}
+
+    return BatchSource(rank, weights, lambda b: rows_of_batch(loader(), b))
