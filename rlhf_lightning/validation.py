@@ -13,6 +13,7 @@ from rlhf_lightning.algorithms.checks import resolve_clip_defaults
 from rlhf_lightning.callbacks.configured import check_configured_callbacks
 from rlhf_lightning.errors import ConfigError, check
 from rlhf_lightning.field_checks import LOGGERS, early_checks, is_typed, validate_optim
+from rlhf_lightning.losses import POLICY_LOSSES
 from rlhf_lightning.models.kernels import QUANT_TYPES, gpu_model_problem
 from rlhf_lightning.strategies import STRATEGIES, split_global
 
@@ -229,6 +230,14 @@ def validate_async(cfg: DictConfig, data: str) -> None:
         "population.size",
         cfg.population.size,
         "1 with rollout.mode=async (members swap into the one policy between steps)",
+    )
+    loss = cfg.algo.get("loss")
+    check(
+        loss is None or cfg.rollout.max_staleness == 0 or POLICY_LOSSES.meta(loss).get("uses_ratio", True),
+        "algo.loss",
+        loss,
+        f"an objective with an importance ratio (ppo_clip, cispo, gspo) with rollout.max_staleness="
+        f"{cfg.rollout.max_staleness}: {loss} would follow stale samples uncorrected",
     )
 
 
