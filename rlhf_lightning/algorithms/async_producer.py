@@ -5,7 +5,7 @@ The trainer decides everything (which step, which rows, which policy version eac
 which random seed); the producer executes its requests in order. So what a batch contains never
 depends on timing: a run is reproducible, and a resumed run regenerates the same batches.
 
-Messages (``torch.multiprocessing`` queues between our own two processes):
+Messages (queues between our own two processes; objects travel as :func:`pack` bytes):
 
     trainer -> producer   ("weights", version, {name: tensor})   a published policy version
                           ("generate", Request)                   a batch to produce
@@ -16,6 +16,7 @@ Messages (``torch.multiprocessing`` queues between our own two processes):
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import random
 import time
@@ -33,6 +34,17 @@ from rlhf_lightning.rollout.engine import Completion, SamplingParams
 from rlhf_lightning.runtime import rng
 
 POLL_S = 0.5  # how often a wait looks up from its queue (the other process's liveness)
+
+
+def pack(obj: Any) -> bytes:
+    """``obj`` as bytes for the other process: tensors by value, not as shared-memory handles
+    (which die with the process that made them, and cost a descriptor each)."""
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def unpack(data: bytes) -> Any:
+    """What :func:`pack` made, in the other one of our own two processes (never user data)."""
+    return pickle.loads(data)
 
 
 @dataclass(frozen=True)
@@ -121,9 +133,9 @@ class Producer:
         if message[0] == "stop":
             return False
         if message[0] == "weights":
-            self.store[message[1]] = message[2]
+            self.store[message[1]] = unpack(message[2])
         else:
-            self.pending.append(message[1])
+            self.pending.append(unpack(message[1]))
         return True
 
     def load(self, version: int) -> None:
@@ -172,7 +184,7 @@ def producer_main(
             while not producer.pending:
                 if not producer.receive():
                     return
-            results.put(("batch", producer.produce(producer.pending.popleft())))
+            results.put(("batch", pack(producer.produce(producer.pending.popleft()))))
     except SystemExit:
         return
     except BaseException:

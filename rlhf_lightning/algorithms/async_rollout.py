@@ -20,6 +20,7 @@ the trainer's RNG states handed over and back), so its batches are the synchrono
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from rlhf_lightning.algorithms.async_producer import POLL_S, Produced, Request, producer_main
+from rlhf_lightning.algorithms.async_producer import POLL_S, Produced, Request, pack, producer_main, unpack
 from rlhf_lightning.envs.harness import RolloutResult
 from rlhf_lightning.rollout.engine import SamplingParams
 from rlhf_lightning.runtime import rng
@@ -110,7 +111,8 @@ class AsyncRollouts:
                 if not self.proc.is_alive():
                     raise RuntimeError(
                         f"the rollout producer (pid {self.proc.pid}) exited with code {self.proc.exitcode} "
-                        f"while the trainer waited for {what}"
+                        f"while the trainer waited for {what} (its error, if any, is on stderr above; a script "
+                        "that starts a run needs an `if __name__ == '__main__':` guard: the producer is spawned)"
                     ) from None
                 if time.monotonic() > deadline:
                     raise TimeoutError(
@@ -132,10 +134,15 @@ class AsyncRollouts:
             return
         if self.proc.is_alive():
             self.commands.put(("stop",))
-            self.proc.join(timeout=10)
+            # Batches requested ahead that no step will train on: read and drop them, or the
+            # producer blocks at its exit flushing them into a full pipe.
+            deadline = time.monotonic() + 10
+            while self.proc.is_alive() and time.monotonic() < deadline:
+                with contextlib.suppress(queue.Empty):
+                    self.results.get(timeout=POLL_S)  # bytes: dropped unread
             if self.proc.is_alive():
                 self.proc.terminate()
-                self.proc.join(timeout=5)
+            self.proc.join(timeout=5)
         self.proc = None
 
     # ---------------------------------------------------------------- versions and requests
@@ -150,7 +157,7 @@ class AsyncRollouts:
 
     def send_weights(self, version: int) -> None:
         if version not in self.sent and version in self.store:
-            self.commands.put(("weights", version, self.store[version]))
+            self.commands.put(("weights", version, pack(self.store[version])))
             self.sent.add(version)
 
     def request(self, step: int, rows: list[int], sampling: SamplingParams, group_size: int) -> None:
@@ -168,7 +175,7 @@ class AsyncRollouts:
             seed=None if lockstep else batch_seed(self.s.seed, self.rank, step),
             rng_state=rng.capture() if lockstep else None,
         )
-        self.commands.put(("generate", req))
+        self.commands.put(("generate", pack(req)))
         self.requested[step] = list(rows)
 
     def take(self, step: int, rows: list[int]) -> Produced:
@@ -176,7 +183,7 @@ class AsyncRollouts:
         rows it was requested for); in lockstep (K = 0) requested now."""
         if self.s.max_staleness == 0 and step not in self.requested:
             raise RuntimeError(f"batch {step} was not requested (AsyncRollouts.take called out of order)")
-        produced: Produced = self.receive("batch", f"the rollout batch of step {step}")
+        produced: Produced = unpack(self.receive("batch", f"the rollout batch of step {step}"))
         wanted = self.requested.pop(produced.step, None)
         if produced.step != step or wanted != list(rows):
             raise RuntimeError(
