@@ -144,6 +144,8 @@ class AsyncRollouts:
                 self.proc.terminate()
             self.proc.join(timeout=5)
         self.proc = None
+        self.sent.clear()  # a producer started again (a second fit) gets every version anew
+        self.requested.clear()
 
     # ---------------------------------------------------------------- versions and requests
     def publish(self, version: int, weights: Weights) -> None:

@@ -20,7 +20,9 @@ from rlhf_lightning.runtime.distributed import gather_objects
 def _numpy_state() -> tuple[Any, ...]:
     """NumPy's global state with its key array as a tensor: checkpoints load with weights_only."""
     kind, keys, pos, has_gauss, gauss = cast(tuple[Any, ...], np.random.get_state())
-    return (kind, torch.from_numpy(np.array(keys, copy=True)), int(pos), int(has_gauss), float(gauss))
+    # int64, not the key's uint32: a uint32 tensor does not survive plain pickling (torch 2.13),
+    # which the async rollout producer's messages use.
+    return (kind, torch.from_numpy(np.asarray(keys, dtype=np.int64)), int(pos), int(has_gauss), float(gauss))
 
 
 def capture(generators: Mapping[str, torch.Generator] | None = None) -> dict[str, Any]:
@@ -38,7 +40,7 @@ def restore(state: Mapping[str, Any], generators: Mapping[str, torch.Generator] 
     """Put back what :func:`capture` took (a generator missing from ``state`` is left as it is)."""
     random.setstate(state["python"])
     kind, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, keys.numpy(), pos, has_gauss, gauss))
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,389 @@
+"""Asynchronous rollouts (``rollout.mode=async``) piece by piece: the version plan, the seeds,
+the staleness metrics, the producer's loop without a process, and the trainer side against a
+real spawned producer built from the fakes below.
+
+The fakes are module-level: a spawned producer unpickles ``build_parts`` by name, so it imports
+this module (``tests`` is a package and the child inherits ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import queue
+import random
+import threading
+import time
+from dataclasses import replace
+from typing import Any, cast
+
+import numpy as np
+import pytest
+import torch
+
+from rlhf_lightning.algorithms import async_producer
+from rlhf_lightning.algorithms.async_producer import Produced, Producer, Request, VersionedSampler
+from rlhf_lightning.algorithms.async_rollout import (
+    AsyncRollouts,
+    AsyncSettings,
+    batch_seed,
+    is_stale,
+    turn_versions,
+)
+from rlhf_lightning.envs.harness import RolloutResult
+from rlhf_lightning.envs.trajectory import Trajectory, collate
+from rlhf_lightning.rollout.engine import Completion, SamplingParams
+from rlhf_lightning.runtime import rng
+
+OBS = 99  # the observation token the fake harness puts between turns
+TOKENS_PER_TURN = 2
+
+
+# ---------------------------------------------------------------- fakes (picklable)
+def trajectory(prompt: list[int], turns: list[list[int]], versions: list[int] | None = None) -> Trajectory:
+    """A trajectory of ``prompt`` and the generated ``turns`` (log-prob 0)."""
+    traj = Trajectory(list(prompt), [-1] * len(prompt), [0.0] * len(prompt), [], 0, len(prompt))
+    for k, ids in enumerate(turns):
+        append_turn(traj, k, ids, [0.0] * len(ids))
+    traj.turn_versions = list(versions or [])
+    return traj
+
+
+def append_turn(traj: Trajectory, turn: int, ids: list[int], logps: list[float]) -> None:
+    """Turn ``turn``'s generated ``ids``, after an observation token if it is not the first."""
+    obs = [OBS] if turn else []
+    traj.token_ids += obs + ids
+    traj.action_turn += [-1] * len(obs) + [turn] * len(ids)
+    traj.sampling_logps += [0.0] * len(obs) + logps
+    traj.rewards.append(0.0)
+    traj.turn_lengths.append(len(ids))
+    traj.finish_reasons.append("stop")
+
+
+class FakeEngine:
+    """Generates ``TOKENS_PER_TURN`` tokens per prompt, their log-probs the policy's weight (so a
+    batch shows which weights generated it), and records each call: the weight and one draw of
+    each global generator (Python, NumPy, torch), also handed back in ``Completion.extra``."""
+
+    def __init__(self, policy: torch.nn.Linear) -> None:
+        self.policy = policy
+        self.calls: list[dict[str, Any]] = []
+
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
+        weight = float(self.policy.weight.detach().sum())
+        draw = {"torch": float(torch.rand(())), "python": random.random(), "numpy": float(np.random.rand())}
+        self.calls.append({"weight": weight, "prompts": [list(p) for p in prompt_token_ids], **draw})
+        n = min(TOKENS_PER_TURN, params.max_new_tokens)
+        one = Completion(list(range(10, 10 + n)), [weight] * n, "stop", extra=draw)
+        return [replace(one, prompt_index=i) for i in range(len(prompt_token_ids))]
+
+
+class FakeHarness:
+    """One engine call per turn for every live episode, as the real harness: the episodes of row
+    ``r`` last ``1 + r % max_turns`` turns; each episode's prompt is ``[r]``. Each trajectory's
+    ``infos`` holds its turns' completion extras (the engine's draws)."""
+
+    def __init__(self, max_turns: int) -> None:
+        self.max_turns = max_turns
+
+    def rollout(
+        self, engine: Any, rows: list[int], params: SamplingParams, *, group_size: int = 1
+    ) -> RolloutResult:
+        trajs = [trajectory([row], []) for row in rows for _ in range(group_size)]
+        for i, t in enumerate(trajs):
+            t.group_id = i // group_size
+        lasts = [1 + t.token_ids[0] % self.max_turns for t in trajs]  # row r: 1 + r % max_turns turns
+        for turn in range(self.max_turns):
+            live = [i for i, n in enumerate(lasts) if n > turn]
+            if not live:
+                break
+            completions = engine.generate([trajs[i].token_ids for i in live], replace(params, n=1))
+            for i, c in zip(live, completions):
+                append_turn(trajs[i], turn, c.token_ids, c.logprobs)
+                trajs[i].infos.append(c.extra)
+        return RolloutResult(collate(trajs, 0), trajs, {})
+
+
+def tiny_policy() -> torch.nn.Linear:
+    """One parameter, ``weight`` (1, 1), set to a value no published version has."""
+    policy = torch.nn.Linear(1, 1, bias=False)
+    torch.nn.init.constant_(policy.weight, -99.0)
+    return policy
+
+
+def weights_of(version: int) -> dict[str, torch.Tensor]:
+    """Version ``version``'s weights: ``weight`` = 10 * version + 1 (so each version is distinct)."""
+    return {"weight": torch.full((1, 1), 10.0 * version + 1.0)}
+
+
+def build_parts(max_turns: int = 2) -> tuple[FakeHarness, FakeEngine, torch.nn.Module]:
+    """The producer's (harness, engine, policy)."""
+    policy = tiny_policy()
+    return FakeHarness(max_turns), FakeEngine(policy), policy
+
+
+def build_failing() -> tuple[Any, Any, Any]:
+    raise ValueError("boom")
+
+
+def build_sleeping() -> tuple[Any, Any, Any]:
+    time.sleep(120)
+    return build_parts()
+
+
+def build_exiting() -> tuple[Any, Any, Any]:
+    os._exit(3)
+
+
+@pytest.fixture(autouse=True)
+def keep_global_rng():
+    """Producer tests seed and restore the global generators: put them back afterwards."""
+    state = rng.capture()
+    yield
+    rng.restore(state)
+
+
+# ---------------------------------------------------------------- the version plan and seeds
+@pytest.mark.parametrize(
+    ("step", "staleness", "partial", "max_turns", "expected"),
+    [
+        (5, 0, False, 3, [5]),  # K = 0: the current weights
+        (5, 1, False, 3, [4]),
+        (5, 2, False, 3, [3]),
+        (1, 2, False, 3, [0]),  # step < K: version 0, never negative
+        (5, 0, True, 3, [5, 5, 5]),  # K = 0 partial: nothing newer than the step
+        (5, 2, True, 4, [3, 4, 5, 5]),  # one newer version per turn, capped at the step
+        (0, 2, True, 3, [0, 0, 0]),
+        (1, 2, True, 3, [0, 1, 1]),
+        (5, 2, True, 0, [3]),  # no turns given: still the first version
+    ],
+)
+def test_turn_versions_by_hand(step, staleness, partial, max_turns, expected):
+    assert turn_versions(step, staleness, partial, max_turns) == expected
+
+
+def test_turn_versions_never_negative_nor_ahead_nor_older_than_k():
+    for step, k, turns, partial in itertools.product(range(7), range(4), range(1, 5), (False, True)):
+        vs = turn_versions(step, k, partial, turns)
+        assert vs[0] == max(0, step - k) and all(max(0, step - k) <= v <= step for v in vs)
+        assert vs == sorted(vs)  # a later turn never runs on older weights
+        assert len(vs) == (turns if partial else 1)
+
+
+def test_batch_seed_distinct_deterministic_in_range():
+    for seed in (0, 1, 2**32 - 1):
+        seeds = [batch_seed(seed, r, b) for r in range(8) for b in range(1000)]
+        assert len(set(seeds)) == len(seeds) and all(0 <= v < 2**63 for v in seeds)  # one per rank, step
+    assert batch_seed(7, 1, 3) == batch_seed(7, 1, 3)
+    assert batch_seed(7, 1, 3) != batch_seed(7, 0, 3) != batch_seed(7, 1, 4)
+    assert batch_seed(0, 0, 0) == 1  # (0 + 0 + 0 + 1) mod 2**63, by hand
+
+
+# ---------------------------------------------------------------- staleness of a batch
+def result_of(trajs: list[Trajectory]) -> RolloutResult:
+    return RolloutResult(collate(trajs, 0), trajs, {})
+
+
+def produced_of(trajs: list[Trajectory], wait_s: float = 1.25, work_s: float = 0.5) -> Produced:
+    return Produced(5, result_of(trajs), [3, 4], wait_s, work_s)
+
+
+def test_staleness_metrics_are_token_weighted_and_unversioned_is_current():
+    # At step 5: turns of 2 and 3 tokens at versions 3, 4; 4 tokens unversioned; 1 token at 5.
+    two_turns = trajectory([1, 2], [[10, 11], [12, 13, 14]], versions=[3, 4])
+    refill = trajectory([1], [[10, 11, 12, 13]])  # no versions: generated now (current)
+    fresh = trajectory([3], [[10]], versions=[5])
+    metrics = AsyncRollouts.metrics(produced_of([two_turns, refill, fresh]), step=5, waited=0.25)
+    ages = [2, 2, 1, 1, 1] + [0] * 4 + [0]  # by hand, one per generated token
+    assert metrics["async/staleness_mean"].item() == pytest.approx(sum(ages) / len(ages), abs=1e-7)
+    assert metrics["async/staleness_max"].item() == 2.0
+    assert metrics["async/trainer_wait_s"].item() == pytest.approx(0.25)
+    assert metrics["async/producer_wait_s"].item() == pytest.approx(1.25)
+    assert metrics["async/producer_work_s"].item() == pytest.approx(0.5)
+    assert all(v.dim() == 0 and not v.requires_grad for v in metrics.values())
+    empty = trajectory([1, 2], [[]], versions=[3])  # a turn that generated nothing: no age
+    nothing = AsyncRollouts.metrics(produced_of([empty]), step=5, waited=0.0)
+    assert nothing["async/staleness_mean"].item() == nothing["async/staleness_max"].item() == 0.0
+
+
+def test_is_stale_when_any_turn_is_older_than_the_step():
+    two_turns = trajectory([1], [[10], [11]], versions=[3, 4])
+    current = trajectory([1], [[10]], versions=[5])
+    unversioned = trajectory([1], [[10]])
+    assert is_stale(result_of([current, two_turns]), 5)
+    assert is_stale(result_of([two_turns]), 4)  # turn 0 at version 3
+    assert not is_stale(result_of([two_turns]), 3)
+    assert not is_stale(result_of([current, unversioned]), 5)
+    assert is_stale(result_of([current]), 6)
+    assert not is_stale(result_of([unversioned]), 100)  # synchronous: the current weights
+
+
+def test_token_versions_map_generated_tokens_to_their_turn():
+    traj = trajectory([1, 2], [[10, 11], [12, 13, 14]], versions=[3, 4])
+    assert traj.action_turn == [-1, -1, 0, 0, -1, 1, 1, 1]
+    assert traj.token_versions() == [-1, -1, 3, 3, -1, 4, 4, 4]
+    assert trajectory([1, 2], [[10]]).token_versions() == [-1, -1, -1]  # synchronous: no versions
+
+
+# ---------------------------------------------------------------- the producer, without a process
+def test_versioned_sampler_loads_each_calls_version_then_repeats_the_last():
+    loaded: list[int] = []
+    engine = FakeEngine(tiny_policy())
+    sampler = VersionedSampler(engine, loaded.append, [3, 4])
+    outs = [sampler.generate([[k, k + 1]], SamplingParams(max_new_tokens=1)) for k in range(4)]
+    assert loaded == [3, 4, 4, 4] and sampler.used == [3, 4, 4, 4]
+    assert [c["prompts"] for c in engine.calls] == [[[k, k + 1]] for k in range(4)]  # passed through
+    assert all(o[0].token_ids == [10] for o in outs)  # the engine's completions handed back
+
+
+def trainer_side(versions: list[int]) -> AsyncRollouts:
+    """The trainer's side with ``versions`` published and sent into a plain queue (its own
+    messages, as it writes them for the process), no process started."""
+    trainer = AsyncRollouts(build_parts, AsyncSettings(max_staleness=100), max_turns=3)
+    trainer.commands = cast(Any, queue.Queue())  # no process: a plain queue
+    for v in versions:
+        trainer.publish(v, weights_of(v))
+        trainer.send_weights(v)
+    return trainer
+
+
+def producer_with(versions: list[int]) -> tuple[Producer, AsyncRollouts, FakeEngine]:
+    """A producer in this process (three turns) reading what :func:`trainer_side` sent."""
+    trainer = trainer_side(versions)
+    producer = Producer(functools.partial(build_parts, 3), trainer.commands, os.getppid())
+    assert isinstance(producer.engine, FakeEngine)
+    return producer, trainer, producer.engine
+
+
+def request(step: int, rows: list[int], versions: list[int], **kwargs: Any) -> Request:
+    return Request(step, rows, versions, 2, SamplingParams(max_new_tokens=4), **kwargs)
+
+
+def test_produce_loads_each_turns_version_and_sets_turn_versions():
+    producer, trainer, engine = producer_with([0, 1, 2, 3, 4])
+    rows = [0, 2, 1]  # 1, 3 and 2 turns per episode
+    produced = producer.produce(request(3, rows, [1, 2, 3], seed=5))
+    # The weights in the policy at each generate call: version 1, 2, 3 (10 v + 1).
+    assert [c["weight"] for c in engine.calls] == [11.0, 21.0, 31.0]
+    assert produced.call_versions == [1, 2, 3] and produced.step == 3
+    got = [t.turn_versions for t in produced.result.trajectories]
+    assert got == [[1], [1], [1, 2, 3], [1, 2, 3], [1, 2], [1, 2]]
+    for t in produced.result.trajectories:  # every generated token's log-prob: its version's weight
+        gen = [lp for lp, turn in zip(t.sampling_logps, t.action_turn) if turn >= 0]
+        assert gen == [10.0 * v + 1.0 for v in t.token_versions() if v >= 0]
+    assert sorted(producer.store) == [1, 2, 3]  # older than the first version (1): dropped
+    assert trainer.commands.qsize() == 1  # version 4 not read: no wait for what the batch does not need
+    assert producer.loaded == 3 and torch.equal(producer.params["weight"].detach(), weights_of(3)["weight"])
+
+
+def test_produce_drops_only_versions_older_than_the_requests_first():
+    producer, _, engine = producer_with([0, 1, 2, 3])
+    producer.load(3)  # everything received, version 3 in the model
+    producer.produce(request(2, [0], [2]))  # one turn at version 2
+    assert [c["weight"] for c in engine.calls] == [21.0]  # 3 was loaded: version 2 put back
+    assert sorted(producer.store) == [2, 3]
+
+
+def test_produce_waits_for_a_version_not_yet_published_and_counts_the_wait():
+    producer, trainer, engine = producer_with([0])
+    trainer.publish(1, weights_of(1))  # sent 0.3 s later
+    timer = threading.Timer(0.3, trainer.send_weights, args=(1,))
+    timer.start()
+    try:
+        produced = producer.produce(request(1, [1], [0, 1]))  # turn 1 needs version 1: not yet there
+    finally:
+        timer.join()
+    assert [c["weight"] for c in engine.calls] == [1.0, 11.0]
+    assert produced.wait_s >= 0.25  # the wait for version 1
+    assert 0.0 <= produced.work_s < produced.wait_s  # the generation alone
+    assert producer.waited == 0.0  # the next batch counts its own waits
+
+
+def draws(engine: FakeEngine) -> list[tuple[float, float, float]]:
+    return [(c["torch"], c["python"], c["numpy"]) for c in engine.calls]
+
+
+def draw_all() -> tuple[float, float, float]:
+    return float(torch.rand(())), random.random(), float(np.random.rand())
+
+
+def test_produce_with_a_seed_seeds_every_generator():
+    producer, _, engine = producer_with([0])
+    seed = batch_seed(3, 1, 7)
+    producer.produce(request(7, [0], [0], seed=seed))
+    torch.rand(5)  # whatever ran between batches
+    random.random()
+    producer.produce(request(7, [0], [0], seed=seed))
+    producer.produce(request(8, [0], [0], seed=seed + 1))
+    first, again, other = draws(engine)
+    assert first == again and other != first
+    torch.manual_seed(seed)
+    expected = float(torch.rand(())), random.Random(seed).random(), np.random.RandomState(seed % 2**32).rand()
+    assert first == expected
+
+
+def test_produce_with_an_rng_state_continues_from_it_and_hands_it_back():
+    producer, _, engine = producer_with([0])
+    async_producer.seed_all(123)
+    state = rng.capture()
+    expected = [draw_all() for _ in range(3)]  # two turns: two calls, then what follows
+    async_producer.seed_all(0)  # the producer's own state differs
+    produced = producer.produce(request(0, [1], [0], rng_state=state))
+    assert draws(engine) == expected[:2] and produced.rng_state is not None
+    async_producer.seed_all(0)
+    rng.restore(produced.rng_state)
+    assert draw_all() == expected[2]
+    seeded = producer.produce(request(1, [0], [0], seed=4))
+    assert seeded.rng_state is None  # seeded batches hand nothing back
+
+
+def test_receive_queues_requests_and_stops_on_stop():
+    producer, trainer, _ = producer_with([0])
+    trainer.request(2, [5, 4], SamplingParams(max_new_tokens=3), group_size=2)
+    trainer.commands.put(("stop",))
+    assert producer.receive() and producer.store.keys() == {0}
+    assert torch.equal(producer.store[0]["weight"], weights_of(0)["weight"])
+    assert producer.receive() and len(producer.pending) == 1
+    req = producer.pending[0]
+    assert (req.step, req.rows, req.versions, req.group_size) == (2, [5, 4], [0], 2)
+    assert req.sampling.max_new_tokens == 3 and req.seed == batch_seed(0, 0, 2) and req.rng_state is None
+    assert not producer.receive()
+    trainer.commands.put(("stop",))
+    with pytest.raises(SystemExit):
+        producer.load(1)  # told to stop while waiting for a version
+
+
+def test_receive_waits_while_the_trainer_lives_and_exits_when_it_is_gone(monkeypatch):
+    monkeypatch.setattr(async_producer, "POLL_S", 0.01)
+    orphan = Producer(build_parts, queue.Queue(), parent_pid=-1)  # never this process's parent
+    t0 = time.perf_counter()
+    with pytest.raises(SystemExit):
+        orphan.receive()
+    assert time.perf_counter() - t0 < 5.0
+    trainer = trainer_side([])
+    trainer.publish(2, weights_of(2))
+    producer = Producer(build_parts, trainer.commands, os.getppid())
+    timer = threading.Timer(0.2, trainer.send_weights, args=(2,))
+    timer.start()
+    try:
+        assert producer.receive()  # several empty polls, then the message
+    finally:
+        timer.join()
+    assert producer.store.keys() == {2} and producer.waited >= 0.15
+
+
+# ---------------------------------------------------------------- checkpoint state
+def test_state_dict_keeps_the_k_versions_before_the_step_and_load_puts_them_back():
+    ar = AsyncRollouts(build_parts, AsyncSettings(max_staleness=2), max_turns=2)
+    for v in range(6):
+        ar.publish(v, weights_of(v))
+    assert sorted(ar.store) == [3, 4, 5]  # older than 5 - K: no request or checkpoint needs them
+    state = ar.state_dict(5)
+    assert sorted(state["versions"]) == [3, 4]  # version 5 is the checkpoint's own weights
+    fresh = AsyncRollouts(build_parts, AsyncSettings(max_staleness=2), max_turns=2)
+    fresh.load_state_dict(state)
+    assert {v: float(w["weight"]) for v, w in fresh.store.items()} == {3: 31.0, 4: 41.0}
+    fresh.load_state_dict({"versions": {"2": weights_of(2)}})  # keys as strings: still versions
+    fresh.load_state_dict({})  # a checkpoint of a synchronous run
+    assert sorted(fresh.store) == [2, 3, 4]

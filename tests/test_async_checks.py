@@ -1,0 +1,63 @@
+"""Start-up checks of ``rollout.mode=async``: its own fields (before any heavy import) and what
+the producer process does not support (the whole validation), each naming its field."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlhf_lightning.errors import ConfigError
+from rlhf_lightning.field_checks import early_checks
+from rlhf_lightning.validation import validate
+from tests.conftest import FAST, compose_config
+
+ASYNC = "rollout.mode=async"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field", "value"),
+    [
+        (["rollout.mode=foo"], "rollout.mode", "foo"),
+        ([ASYNC, "rollout.max_staleness=-1"], "rollout.max_staleness", -1),
+        (["rollout.partial=true"], "rollout.partial", True),  # the default mode: sync
+        ([ASYNC, "rollout.producer_threads=0"], "rollout.producer_threads", 0),
+        ([ASYNC, "rollout.async_timeout_s=0"], "rollout.async_timeout_s", 0),
+    ],
+)
+def test_async_fields_fail_early_naming_the_field(overrides, field, value):
+    cfg = compose_config(overrides)
+    with pytest.raises(ConfigError, match=rf"invalid config: {field}=") as err:
+        early_checks(cfg)
+    assert err.value.field == field and err.value.value == value
+
+
+def test_async_fields_at_their_bounds_pass_early():
+    cfg = compose_config(
+        [ASYNC, "rollout.max_staleness=0", "rollout.partial=true", "rollout.producer_threads=1"]
+    )
+    early_checks(cfg)
+    early_checks(compose_config([ASYNC, "rollout.producer_threads=null", "rollout.async_timeout_s=0.5"]))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field", "value"),
+    [
+        ([*FAST, "rollout=vllm"], "rollout.engine", "vllm"),
+        ([*FAST, "strategy=fsdp"], "strategy", "fsdp"),
+        ([*FAST, "population.size=2"], "population.size", 2),
+        (["algo=sft"], "rollout.mode", "async"),  # trains on a dataset: no rollouts to overlap
+    ],
+)
+def test_what_the_producer_does_not_support_is_refused(tmp_path, overrides, field, value):
+    # Each config passes the whole validation in sync mode, so the refusal is async's own.
+    validate(compose_config(overrides, output_dir=tmp_path / "sync"))
+    cfg = compose_config([*overrides, ASYNC], output_dir=tmp_path / "async")
+    with pytest.raises(ConfigError, match=r"rollout\.mode=async|there are no rollouts") as err:
+        validate(cfg)
+    assert err.value.field == field and err.value.value == value
+
+
+def test_sync_and_async_defaults_pass(tmp_path):
+    validate(compose_config(FAST, output_dir=tmp_path / "sync"))
+    validate(compose_config([*FAST, ASYNC], output_dir=tmp_path / "async"))
+    validate(compose_config([*FAST, ASYNC, "rollout.max_staleness=0"], output_dir=tmp_path / "k0"))
+    validate(compose_config([*FAST, ASYNC, "rollout.partial=true", "env=guess_number"], tmp_path / "p"))
