@@ -50,6 +50,20 @@ MODES = {
         "rollout.producer_threads=1",
         "algo.old_logprobs_source=rollout",
     ],
+    # the trainer keeps torch's two threads and the producer adds one (3 threads on 2 cores)
+    "k1_2t": [
+        "rollout.mode=async",
+        "rollout.max_staleness=1",
+        "rollout.producer_threads=1",
+        "algo.old_logprobs_source=rollout",
+    ],
+    # both keep two threads (4 threads on 2 cores: each phase may use both cores while the other waits)
+    "k1_4t": [
+        "rollout.mode=async",
+        "rollout.max_staleness=1",
+        "rollout.producer_threads=2",
+        "algo.old_logprobs_source=rollout",
+    ],
 }
 COMMON = ["checkpoint.every_n_steps=0", "samples.every_n_steps=0", "trainer.enable_progress_bar=false"]
 ACC = "eval/accuracy_greedy"
@@ -108,7 +122,7 @@ def plot(curves: dict[str, list[tuple[float, float]]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     colours = {"sync": "tab:blue", "k1": "tab:orange", "k2": "tab:green"}
     for name, points in curves.items():
-        mode = name.split("_")[-2]
+        mode = next((m for m in sorted(MODES, key=len, reverse=True) if f"_{m}_s" in name), "sync")
         ax.plot(
             [t for t, _ in points],
             [a for _, a in points],

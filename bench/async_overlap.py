@@ -40,7 +40,13 @@ def parts() -> tuple:
     tokenizer = tokenizer_from(cfg.model, cfg.env)
     harness, _, _ = harness_from(cfg, tokenizer, get_algorithm(cfg.algo.module))
     policy = build_policy(model_from(cfg.model), lora_r=cfg.model.lora.r, lora_alpha=cfg.model.lora.alpha)
-    return harness, build_engine(cfg, policy, tokenizer), policy, sampling_from(cfg.rollout), cfg.algo.group_size
+    return (
+        harness,
+        build_engine(cfg, policy, tokenizer),
+        policy,
+        sampling_from(cfg.rollout),
+        cfg.algo.group_size,
+    )
 
 
 def generate(harness, engine, sampling, group_size) -> object:
@@ -99,7 +105,9 @@ def main(n: int = 10) -> None:
     processes = time.perf_counter() - t0
     proc.join()
     serial = g + u
-    print(f"{n} rounds, 1 torch thread each: generate {g / n:.3f} s, update {u / n:.3f} s, serial {serial / n:.3f} s")
+    print(
+        f"{n} rounds, 1 torch thread each: generate {g / n:.3f} s, update {u / n:.3f} s, serial {serial / n:.3f} s"
+    )
     print("| both at once in | wall s per round | overlap (serial / wall) |")
     print("|---|---:|---:|")
     print(f"| two threads of one process | {threads / n:.3f} | {serial / threads:.2f} |")

@@ -96,9 +96,11 @@ def model_from(m: DictConfig) -> Any:
     )
 
 
-def policy_from(model: Any, m: DictConfig, a: DictConfig, spec: AlgorithmSpec, hp: Any) -> Policy:
+def policy_from(
+    model: Any, m: DictConfig, a: DictConfig, spec: AlgorithmSpec, hp: Any, actor_only: bool = False
+) -> Policy:
     """The trainable policy on ``model``: the adapters (or full model), reference and critic the
-    algorithm family needs."""
+    algorithm family needs; ``actor_only``: the actor alone (the async rollout producer's copy)."""
     return build_policy(
         model,
         finetune=m.finetune,
@@ -106,12 +108,12 @@ def policy_from(model: Any, m: DictConfig, a: DictConfig, spec: AlgorithmSpec, h
         lora_alpha=m.lora.alpha,
         lora_dropout=m.lora.dropout,
         lora_target_modules=m.lora.target_modules,
-        need_reference=spec.needs_reference(hp),
-        gradient_checkpointing=m.gradient_checkpointing,
+        need_reference=not actor_only and spec.needs_reference(hp),
+        gradient_checkpointing=m.gradient_checkpointing and not actor_only,
         adapter_path=m.adapter_path,
-        reference_from_checkpoint=m.reference_from_checkpoint,
-        separate_reference=a.use_separate_reference_adapter,
-        with_critic=spec.needs_critic,
+        reference_from_checkpoint=m.reference_from_checkpoint and not actor_only,
+        separate_reference=a.use_separate_reference_adapter and not actor_only,
+        with_critic=spec.needs_critic and not actor_only,
     )
 
 
@@ -211,15 +213,7 @@ class ProducerBuild:
         spec = get_algorithm(a.module)
         tokenizer = tokenizer_from(m, cfg.env)
         harness, _, _ = harness_from(cfg, tokenizer, spec)
-        policy = build_policy(
-            model_from(m),
-            finetune=m.finetune,
-            lora_r=m.lora.r,
-            lora_alpha=m.lora.alpha,
-            lora_dropout=m.lora.dropout,
-            lora_target_modules=m.lora.target_modules,
-            adapter_path=m.adapter_path,
-        )
+        policy = policy_from(model_from(m), m, a, spec, None, actor_only=True)
         return harness, build_engine(cfg, policy, tokenizer), policy
 
 

@@ -87,29 +87,37 @@ def assert_continues_exactly(reference: Path, resumed: Path, after: int) -> None
         assert got[key] == ref[key], key  # every column, as written: bitwise on CPU in float32
 
 
-@pytest.mark.parametrize("algo", [*ALGOS, "grpo_2_processes"])
-def test_sigkill_then_resume_continues_exactly(tmp_path, algo):
-    # 2 processes: every rank's RNG states and data position are in the checkpoint
-    ddp = ["strategy=ddp", "trainer.accelerator=cpu", "trainer.devices=2"]
-    overrides = ALGOS.get(algo, ddp)
+def killed_and_resumed(tmp_path: Path, overrides: list[str]) -> tuple[Path, int]:
+    """Run A uninterrupted; run B killed (SIGKILL, every process of it) once its step-4
+    checkpoint exists, then resumed with ``resume=true``. Returns B's directory and the step its
+    last checkpoint held (4, or 2 if killed before last.ckpt followed)."""
     train(tmp_path, *overrides, f"output_dir={tmp_path / 'A'}")
     killed = tmp_path / "B"
     proc = start(tmp_path, *overrides, f"output_dir={killed}")
     wait_for(killed / "checkpoints" / "step_000004.ckpt", proc)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    step = checkpoint_step(
-        killed / "checkpoints" / "last.ckpt"
-    )  # 4, or 2 if killed before last.ckpt followed
+    step = checkpoint_step(killed / "checkpoints" / "last.ckpt")
     assert step >= 2
     train(tmp_path, *overrides, f"output_dir={killed}", "resume=true")
+    return killed, step
+
+
+@pytest.mark.parametrize("algo", [*ALGOS, "grpo_2_processes"])
+def test_sigkill_then_resume_continues_exactly(tmp_path, algo):
+    # 2 processes: every rank's RNG states and data position are in the checkpoint
+    ddp = ["strategy=ddp", "trainer.accelerator=cpu", "trainer.devices=2"]
+    killed, step = killed_and_resumed(tmp_path, ALGOS.get(algo, ddp))
     assert_continues_exactly(tmp_path / "A", killed, after=step)
 
 
-def test_sigterm_saves_the_step_exits_nonzero_and_resumes_exactly(tmp_path):
-    train(tmp_path, "checkpoint.every_n_steps=0", f"output_dir={tmp_path / 'A'}")
+def sigtermed_and_resumed(tmp_path: Path, overrides: list[str]) -> tuple[Path, int]:
+    """Run A uninterrupted; run B sent SIGTERM after its third step, which must save that step
+    and exit 128 + 15, then resumed. Returns B's directory and the step it saved."""
+    overrides = ["checkpoint.every_n_steps=0", *overrides]
+    train(tmp_path, *overrides, f"output_dir={tmp_path / 'A'}")
     run = tmp_path / "B"
-    proc = start(tmp_path, "checkpoint.every_n_steps=0", "logger.flush_every_n_steps=1", f"output_dir={run}")
+    proc = start(tmp_path, *overrides, "logger.flush_every_n_steps=1", f"output_dir={run}")
     metrics = run / "metrics.csv"
     end = time.time() + 300
     while not (metrics.exists() and any(r.startswith("3") for r in rows(run))):
@@ -121,7 +129,12 @@ def test_sigterm_saves_the_step_exits_nonzero_and_resumes_exactly(tmp_path):
     assert "stopped by SIGTERM after step" in err
     step = checkpoint_step(run / "checkpoints" / "last.ckpt")
     assert 3 <= step < 8  # the step the signal arrived in, not the end
-    train(tmp_path, "checkpoint.every_n_steps=0", f"output_dir={run}", "resume=true")
+    train(tmp_path, *overrides, f"output_dir={run}", "resume=true")
+    return run, step
+
+
+def test_sigterm_saves_the_step_exits_nonzero_and_resumes_exactly(tmp_path):
+    run, step = sigtermed_and_resumed(tmp_path, [])
     assert_continues_exactly(tmp_path / "A", run, after=step)
 
 

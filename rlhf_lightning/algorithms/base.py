@@ -186,9 +186,8 @@ class RolloutModule(RolloutEvaluation):
             metrics.update(scored.metrics)
         # 4. Optimize: update_epochs x mini-batches, each accumulated over micro-batches.
         metrics.update(self.update(traj, scored, old_logp, ref_logp))
-        self.collector.step_done(
-            self.sampling, self.hp.group_size, self.producer_view
-        )  # async: new weights out
+        # The step is done: with rollout.mode=async the new weights go to the producer.
+        self.collector.step_done(self.sampling, self.hp.group_size, self.producer_view)
         # 5. Log.
         step_s = time.perf_counter() - t_start
         metrics.update(rollout_metrics(traj, result.metrics))

@@ -6,14 +6,12 @@ and 2-process DDP runs."""
 from __future__ import annotations
 
 import csv
-import os
-import signal
 
 import pytest
 import torch
 
 from tests.conftest import FAST, compose_config, fit_steps
-from tests.test_resume import rows, start, train, wait_for
+from tests.test_resume import killed_and_resumed, rows, sigtermed_and_resumed, train
 
 pytestmark = pytest.mark.slow
 
@@ -157,28 +155,29 @@ def test_partial_rollouts_record_each_turns_version(tmp_path):
     assert two_turns > 0  # some episode ran on two versions
 
 
-def test_sigkill_then_resume_continues_an_async_run_exactly(tmp_path):
-    overrides = [*ASYNC, "rollout.max_staleness=1"]
-    train(tmp_path, *overrides, f"output_dir={tmp_path / 'A'}")
-    killed = tmp_path / "B"
-    proc = start(tmp_path, *overrides, f"output_dir={killed}")
-    wait_for(killed / "checkpoints" / "step_000004.ckpt", proc)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    from rlhf_lightning.run import checkpoint_step
+TIMINGS = ("async/trainer_wait_s", "async/producer_wait_s", "async/producer_work_s")
 
-    step = checkpoint_step(killed / "checkpoints" / "last.ckpt")
-    assert step >= 2
-    train(tmp_path, *overrides, f"output_dir={killed}", "resume=true")
-    # every column after the checkpoint's step but timings (perf/*, the async/*_s waits)
-    timing = ("async/trainer_wait_s", "async/producer_wait_s", "async/producer_work_s")
-    ref, got = rows(tmp_path / "A"), rows(killed)
-    later = [k for k in ref if int(k.split()[0]) > step]
-    assert later and [k for k in got if int(k.split()[0]) > step] == later
+
+def assert_continues_exactly(reference, resumed, after: int) -> None:
+    """Every metrics.csv row after step ``after`` equal, every column but timings (perf/*, the
+    async waits)."""
+    ref, got = rows(reference), rows(resumed)
+    later = [k for k in ref if int(k.split()[0]) > after]
+    assert later and [k for k in got if int(k.split()[0]) > after] == later
     for key in later:
-        assert {k: v for k, v in got[key].items() if k not in timing} == {
-            k: v for k, v in ref[key].items() if k not in timing
+        assert {k: v for k, v in got[key].items() if k not in TIMINGS} == {
+            k: v for k, v in ref[key].items() if k not in TIMINGS
         }, key
+
+
+def test_sigkill_then_resume_continues_an_async_run_exactly(tmp_path):
+    killed, step = killed_and_resumed(tmp_path, [*ASYNC, "rollout.max_staleness=1"])
+    assert_continues_exactly(tmp_path / "A", killed, after=step)
+
+
+def test_sigterm_saves_an_async_run_and_it_resumes_exactly(tmp_path):
+    run, step = sigtermed_and_resumed(tmp_path, [*ASYNC, "rollout.max_staleness=1"])
+    assert_continues_exactly(tmp_path / "A", run, after=step)
 
 
 def test_two_processes_run_async(tmp_path):
