@@ -61,3 +61,14 @@ def test_sync_and_async_defaults_pass(tmp_path):
     validate(compose_config([*FAST, ASYNC], output_dir=tmp_path / "async"))
     validate(compose_config([*FAST, ASYNC, "rollout.max_staleness=0"], output_dir=tmp_path / "k0"))
     validate(compose_config([*FAST, ASYNC, "rollout.partial=true", "env=guess_number"], tmp_path / "p"))
+
+
+def test_an_objective_without_a_ratio_is_refused_under_staleness(tmp_path):
+    """algo.loss=reinforce has no importance ratio: stale batches would be followed uncorrected.
+    Lockstep (max_staleness=0) trains on fresh batches only, so it is allowed there."""
+    reinforce = [*FAST, "algo.loss=reinforce"]
+    validate(compose_config(reinforce, output_dir=tmp_path / "sync"))
+    validate(compose_config([*reinforce, ASYNC, "rollout.max_staleness=0"], output_dir=tmp_path / "k0"))
+    with pytest.raises(ConfigError, match="an objective with an importance ratio") as err:
+        validate(compose_config([*reinforce, ASYNC], output_dir=tmp_path / "k1"))
+    assert err.value.field == "algo.loss" and err.value.value == "reinforce"
