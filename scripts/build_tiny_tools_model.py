@@ -47,13 +47,13 @@ import torch
 from build_tiny_chat_model import ROOT, EvalEnvsAndStop, compose_config
 from make_chat_sft_data import success_rates, write_jsonl
 from make_tool_sft_data import DEFAULT_COPY_QUALITY, DEFAULT_QUALITY, ENV, ENV_KWARGS, tool_use_dialogues
-from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from rlhf_lightning.algorithms.spec import get_algorithm
 from rlhf_lightning.config import ASSETS
 from rlhf_lightning.envs.chat import env_tools
-from rlhf_lightning.envs.factory import env_factory
-from rlhf_lightning.envs.harness import ChatFormatter, RolloutHarness
+from rlhf_lightning.envs.harness import RolloutHarness
+from rlhf_lightning.factories import harness_from
 from rlhf_lightning.models.tiny import build_tiny_model, build_tokenizer
 from rlhf_lightning.run import run
 
@@ -64,20 +64,10 @@ MAX_NEW_TOKENS = 40  # a call is ~29 tokens with this tokenizer, plus the end-of
 
 
 def tools_harness(tokenizer: Any) -> RolloutHarness:
-    """The rollout harness of ``conf/env/tools.yaml``, with the env's tools in the system turn
-    (as ``rlhf_lightning.run.build`` makes it)."""
-    e = compose_config([f"env={ENV}"]).env
-    factory = env_factory(e._target_, cast(dict[str, Any], OmegaConf.to_container(e.kwargs, resolve=True)))
-    formatter = ChatFormatter(tokenizer, e.system_prompt, e.apply_chat_template, tools=env_tools(factory))
-    return RolloutHarness(
-        factory,
-        tokenizer,
-        formatter,
-        max_turns=e.max_turns,
-        max_model_len=e.max_model_len,
-        concurrency=e.concurrency,
-        step_timeout_s=e.step_timeout_s,
-    )
+    """The rollout harness of ``conf/env/tools.yaml``, with the env's tools in the system turn,
+    as a run builds it (``factories.harness_from``; an offline family: the env's own rewards)."""
+    harness, _, _ = harness_from(compose_config([f"env={ENV}"]), tokenizer, get_algorithm("sft"))
+    return harness
 
 
 def tools_tokenizer(dialogues: list[dict[str, Any]], vocab_size: int) -> PreTrainedTokenizerFast:
