@@ -25,6 +25,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings
     repetition_penalty: float = 1.0  # 1.0: off
     min_p: float = 0.0  # 0.0: off
+    # An engine with its own generator (vLLM) seeds prompt i of the call with seed + i, so the
+    # call draws the same again (the async producer's regenerated batches); None: the engine's
+    # running generator. The HF engine always draws from torch's global generator.
+    seed: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -59,6 +63,17 @@ class Sampler(Protocol):
     """What the rollout harness needs of an engine: batched generation."""
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Completion]: ...
+
+
+@runtime_checkable
+class AdapterSampler(Protocol):
+    """An engine that samples several LoRA adapters of one base in one call: ``adapters[i]``
+    is prompt i's adapter, by name (e.g. a population's members); None: the active adapter.
+    Each row gives what its adapter gives alone. Both engines are one."""
+
+    def generate(
+        self, prompt_token_ids: list[list[int]], params: SamplingParams, adapters: list[str] | None = None
+    ) -> list[Completion]: ...
 
 
 @runtime_checkable

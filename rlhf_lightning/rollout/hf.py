@@ -64,7 +64,19 @@ class HFEngine(EngineBase):
         self.tokenizer = tokenizer
 
     @torch.no_grad()
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
+    def generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        params: SamplingParams,
+        adapters: list[str] | None = None,
+    ) -> list[Completion]:
+        """``params.n`` completions of each prompt, prompt-major. ``adapters``: the LoRA adapter of
+        each prompt (e.g. a population's members), all sampled in one batch, each row under its
+        own adapter (PEFT's mixed-adapter batches); None: the model's active adapter."""
+        if adapters is not None and len(adapters) != len(prompt_token_ids):
+            raise ValueError(
+                f"HFEngine: {len(adapters)} adapters for {len(prompt_token_ids)} prompts (one per prompt)"
+            )
         if params.stop and self.tokenizer is None:
             raise ValueError(
                 f"HFEngine: stop strings {list(params.stop)} need a tokenizer to decode completions; "
@@ -72,24 +84,32 @@ class HFEngine(EngineBase):
             )
         rows = [ids for ids in prompt_token_ids for _ in range(params.n)]
         index = [i for i in range(len(prompt_token_ids)) for _ in range(params.n)]
+        names = [adapters[i] for i in index] if adapters is not None else None
         size = self.max_batch_size or max(len(rows), 1)
         out: list[Completion] = []
         for s in range(0, len(rows), size):
-            out.extend(self._generate_batch(rows[s : s + size], index[s : s + size], params))
+            chunk = names[s : s + size] if names is not None else None
+            out.extend(self._generate_batch(rows[s : s + size], index[s : s + size], params, chunk))
         return out
 
     def _generate_batch(
-        self, rows: list[list[int]], index: list[int], params: SamplingParams
+        self,
+        rows: list[list[int]],
+        index: list[int],
+        params: SamplingParams,
+        adapters: list[str] | None = None,
     ) -> list[Completion]:
         model = self.model_fn()
+        per_row = {"adapter_names": adapters} if adapters is not None else {}
         device = next(model.parameters()).device
         ids, mask = left_pad(rows, self.pad_token_id, device)
         width = ids.shape[1]
         stop_ids = self.eos_token_ids + [t for t in params.stop_token_ids if t not in self.eos_token_ids]
         stop_strings = StopStrings(self.tokenizer, params.stop, width, len(rows)) if params.stop else None
         with _eval_mode(model), _checkpoint_generation_config_hidden(model):
-            cache = self._shared_prefill(model, rows, ids, mask) if self.share_prefill else {}
+            cache = self._shared_prefill(model, rows, ids, mask, adapters) if self.share_prefill else {}
             out = model.generate(
+                **per_row,
                 input_ids=ids,
                 attention_mask=mask,
                 generation_config=clean_generation_config(params, stop_ids, self.pad_token_id),
@@ -109,11 +129,17 @@ class HFEngine(EngineBase):
 
     @staticmethod
     def _shared_prefill(
-        model: Any, rows: list[list[int]], ids: torch.Tensor, mask: torch.Tensor
+        model: Any,
+        rows: list[list[int]],
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        adapters: list[str] | None = None,
     ) -> dict[str, Any]:
-        """KV cache of all but the last prompt token, computed once per distinct prompt."""
-        first: dict[tuple[int, ...], int] = {}
-        owner = [first.setdefault(tuple(r), i) for i, r in enumerate(rows)]
+        """KV cache of all but the last prompt token, computed once per distinct prompt (and
+        adapter: a row's cache is its own adapter's)."""
+        first: dict[tuple[Any, ...], int] = {}
+        keys = [(*r, adapters[i]) if adapters else tuple(r) for i, r in enumerate(rows)]
+        owner = [first.setdefault(k, i) for i, k in enumerate(keys)]
         if len(first) == len(rows) or ids.shape[1] < 2:
             return {}
         uniq = torch.tensor(sorted(first.values()), device=ids.device)
@@ -122,9 +148,12 @@ class HFEngine(EngineBase):
         lm = model.get_base_model() if hasattr(model, "get_base_model") else model
         m = mask[uniq, :-1]
         positions = (m.cumsum(-1) - 1).clamp(min=0)
-        cache = output_cache(
-            lm(input_ids=ids[uniq, :-1], attention_mask=m, position_ids=positions, use_cache=True)
-        )
+        inputs = {"input_ids": ids[uniq, :-1], "attention_mask": m, "position_ids": positions}
+        if adapters is not None:  # through the PEFT model, whose forward takes per-row adapters
+            out = model(**inputs, use_cache=True, adapter_names=[adapters[i] for i in uniq.tolist()])
+        else:
+            out = lm(**inputs, use_cache=True)
+        cache = output_cache(out)
         cache.batch_select_indices(expand)
         return {cache_kwarg(lm): cache}
 

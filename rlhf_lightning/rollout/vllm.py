@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from rlhf_lightning.models.adapters import save_adapters
 from rlhf_lightning.models.policy import Policy
 from rlhf_lightning.rollout.engine import Completion, SamplingParams
 
@@ -57,6 +58,7 @@ class VLLMEngine:
             when distributed); None: a temporary directory removed at shutdown.
         seed: sampling seed.
         rank, world_size: this process's rank (each rank has its own engine and staging dir).
+        max_loras: LoRA slots one batch may use (:meth:`sync_adapters`: one per named adapter).
     """
 
     def __init__(
@@ -77,6 +79,7 @@ class VLLMEngine:
         rank: int = 0,
         world_size: int = 1,
         enable_prefix_caching: bool = True,
+        max_loras: int = 1,
     ) -> None:
         if sleep_mode and sleep_mode_level == 2 and lora_rank is not None:
             raise ValueError(
@@ -97,6 +100,9 @@ class VLLMEngine:
         self.seed, self.rank, self.world_size = seed + rank, rank, world_size
         self.base_seed, self.local_rank = seed, 0
         self.enable_prefix_caching = enable_prefix_caching
+        self.max_loras = max_loras
+        self._named: dict[str, Any] = {}  # adapter name -> its slot's LoRARequest (sync_adapters)
+        self._slots: dict[str, int] = {}  # adapter name -> its LoRA id (the actor's is LORA_ID)
         self._staging_root = lora_staging_dir
         self._temp_staging: str | None = None
         self.llm: Any = None
@@ -150,7 +156,7 @@ class VLLMEngine:
         if self.sleep_mode and self.on_gpu:
             kwargs["enable_sleep_mode"] = True
         if self.lora_rank is not None:
-            kwargs.update(enable_lora=True, max_lora_rank=max(self.lora_rank, 8), max_loras=1)
+            kwargs.update(enable_lora=True, max_lora_rank=max(self.lora_rank, 8), max_loras=self.max_loras)
         try:
             # Lightning's validation runs under inference mode: an engine built there would hold
             # inference tensors that later LoRA loads cannot update in place.
@@ -220,6 +226,26 @@ class VLLMEngine:
         """Forget the pushed version: the policy's weights were swapped under the same step count."""
         self.synced_version = None
 
+    def sync_adapters(self, policy: Any, names: list[str]) -> None:
+        """Load each of ``policy``'s LoRA adapters ``names`` into a slot of its own, in place (e.g.
+        a population's members, sampled side by side by ``generate(..., adapters=...)``)."""
+        vllm = import_vllm()
+        if self.lora_rank is None:
+            raise ValueError("VLLMEngine.sync_adapters needs a LoRA engine (lora_rank set)")
+        self.wake()
+        root = self.staging_dir / "named"
+        with torch.inference_mode(False):
+            save_adapters(policy.model, root, list(names), None)
+            for name in names:
+                slot = self._slots.setdefault(name, LORA_ID + 1 + len(self._slots))
+                path = str(root / name)
+                self.llm.llm_engine.add_lora(
+                    vllm.lora.request.LoRARequest(name, slot, path, load_inplace=True)
+                )
+                self._named[name] = vllm.lora.request.LoRARequest(name, slot, path)
+        if self.llm.reset_prefix_cache() is False:  # cached blocks of the old weights (see _sync)
+            raise RuntimeError("vLLM refused to reset its prefix cache after an adapter sync")
+
     def sync_weights(self, model: Any) -> None:
         """LoRA: export the actor adapter and reload the resident slot in place. Full: push all weights."""
         self.wake()
@@ -251,14 +277,31 @@ class VLLMEngine:
             )
 
     # ---------------------------------------------------------------- generation
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
+    def generate(
+        self, prompt_token_ids: list[list[int]], params: SamplingParams, adapters: list[str] | None = None
+    ) -> list[Completion]:
+        """``params.n`` completions of each prompt, prompt-major. ``adapters``: the adapter of each
+        prompt, by name, from :meth:`sync_adapters` (every row a LoRA row: base and LoRA requests
+        are never mixed in one batch, vllm#48421); None: the synced actor."""
         self.wake()
         vllm = import_vllm()
         from vllm.inputs import TokensPrompt
 
-        sp = vllm_sampling_params(vllm, params)
-        lora = getattr(self, "_lora_request", None) if self.lora_rank is not None else None
-        if self.lora_rank is not None and lora is None:
+        if adapters is not None:
+            missing = sorted(set(adapters) - set(self._named))
+            if missing or len(adapters) != len(prompt_token_ids):
+                raise ValueError(
+                    f"VLLMEngine: adapters {missing} were not synced (sync_adapters first)"
+                    if missing
+                    else f"VLLMEngine: {len(adapters)} adapters for {len(prompt_token_ids)} prompts (one per prompt)"
+                )
+        sp: Any = vllm_sampling_params(vllm, params)
+        if params.seed is not None:  # one seed per prompt: a repeated prompt still draws its own
+            sp = [vllm_sampling_params(vllm, params, params.seed + i) for i in range(len(prompt_token_ids))]
+        lora: Any = getattr(self, "_lora_request", None) if self.lora_rank is not None else None
+        if adapters is not None:
+            lora = [self._named[a] for a in adapters]
+        elif self.lora_rank is not None and lora is None:
             raise RuntimeError(
                 "vLLM engine: sync_weights(policy) must run before the first generate with LoRA"
             )
@@ -273,11 +316,13 @@ class VLLMEngine:
         return out
 
 
-def vllm_sampling_params(vllm: Any, params: SamplingParams) -> Any:
+def vllm_sampling_params(vllm: Any, params: SamplingParams, seed: int | None = None) -> Any:
     """vLLM's ``SamplingParams`` for ``params``, asking for the sampled token's log-prob (processed:
     after penalty, temperature and filtering, see ``logprobs_mode``). A stop string stays in the
-    output text, as in the HF engine; either way the completion ends on the token completing it."""
+    output text, as in the HF engine; either way the completion ends on the token completing it.
+    ``seed``: this request's own generator (None: the engine's)."""
     return vllm.SamplingParams(
+        seed=seed,
         n=params.n,
         temperature=params.temperature,
         top_p=params.top_p,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 
-from rlhf_lightning.rollout.engine import RolloutEngine, Sampler
+from rlhf_lightning.rollout.engine import AdapterSampler, RolloutEngine, Sampler
 from rlhf_lightning.rollout.hf import HFEngine
 from rlhf_lightning.rollout.vllm import VLLMEngine
 
@@ -27,8 +27,15 @@ def test_both_engines_implement_every_method_with_the_protocols_parameters():
     for cls in (HFEngine, VLLMEngine):
         for name in CALLED:
             ours = inspect.signature(getattr(cls, name))
-            theirs = inspect.signature(getattr(RolloutEngine if name != "generate" else Sampler, name))
+            theirs = inspect.signature(getattr(RolloutEngine if name != "generate" else AdapterSampler, name))
             assert list(ours.parameters) == list(theirs.parameters), (cls.__name__, name)
+
+
+def test_per_prompt_adapters_extend_the_samplers_generate_with_a_default():
+    """What the harness calls (``Sampler.generate``) still works on an adapter sampler."""
+    plain = list(inspect.signature(Sampler.generate).parameters)
+    mixed = inspect.signature(AdapterSampler.generate).parameters
+    assert list(mixed)[: len(plain)] == plain and mixed["adapters"].default is None
 
 
 def test_the_hf_engine_is_a_rolloutengine(tiny_model):
