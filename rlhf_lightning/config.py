@@ -98,6 +98,9 @@ class RolloutConfig:
     async_timeout_s: float = (
         600.0  # async: the longest wait for the producer before the run stops with an error
     )
+    # async on GPUs: the CUDA device of each rank's producer (rank r: devices[r]), devices training
+    # does not use; null: the trainer's own device (colocated)
+    devices: list[int] | None = None
 
 
 @dataclass

@@ -19,6 +19,7 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from rlhf_lightning.algorithms.async_producer import Placement
 from rlhf_lightning.algorithms.async_rollout import AsyncRollouts, AsyncSettings
 from rlhf_lightning.algorithms.checks import resolve_clip_defaults
 from rlhf_lightning.algorithms.spec import AlgorithmSpec, get_algorithm
@@ -131,10 +132,11 @@ def sampling_from(r: DictConfig) -> SamplingParams:
     )
 
 
-def build_engine(cfg: DictConfig, policy: Any, tokenizer: Any) -> Any:
-    """The rollout engine: HF ``generate`` on the policy itself, or a colocated vLLM (started lazily)."""
+def build_engine(cfg: DictConfig, policy: Any, tokenizer: Any, kind: str | None = None) -> Any:
+    """The rollout engine ``kind`` (default: ``rollout.engine``): HF ``generate`` on the policy
+    itself, or a colocated vLLM (started lazily)."""
     r = cfg.rollout
-    if r.engine == "hf":
+    if (kind or r.engine) == "hf":
         return HFEngine(
             policy.generation_model,
             tokenizer.pad_token_id,
@@ -207,14 +209,21 @@ class ProducerBuild:
 
     config_yaml: str
 
-    def __call__(self) -> tuple[RolloutHarness, Any, Policy]:
+    def __call__(self, place: Placement) -> tuple[RolloutHarness, Any, Policy]:
+        """The parts on ``place``: the HF engine's policy on its device; a vLLM engine bound to
+        its rank and CUDA device (its policy stays on the CPU: it only exports the weights)."""
         cfg = cast(DictConfig, OmegaConf.create(self.config_yaml))
         m, a = cfg.model, cfg.algo
         spec = get_algorithm(a.module)
         tokenizer = tokenizer_from(m, cfg.env)
         harness, _, _ = harness_from(cfg, tokenizer, spec)
         policy = policy_from(model_from(m), m, a, spec, None, actor_only=True)
-        return harness, build_engine(cfg, policy, tokenizer), policy
+        engine = build_engine(cfg, policy, tokenizer)
+        if cfg.rollout.engine == "hf":
+            policy.to(place.device)
+        else:
+            engine.bind_rank(place.rank, place.world_size, place.cuda_index or 0)
+        return harness, engine, policy
 
 
 def async_rollouts_from(cfg: DictConfig) -> AsyncRollouts | None:
@@ -228,6 +237,7 @@ def async_rollouts_from(cfg: DictConfig) -> AsyncRollouts | None:
         timeout_s=r.async_timeout_s,
         threads=r.producer_threads or torch.get_num_threads(),
         seed=cfg.seed,
+        devices=tuple(r.devices) if r.devices is not None else None,
     )
     return AsyncRollouts(ProducerBuild(OmegaConf.to_yaml(cfg, resolve=True)), settings, cfg.env.max_turns)
 
@@ -243,7 +253,8 @@ def build(cfg: DictConfig, output_dir: Path) -> tuple[L.LightningModule, L.Light
     resolve_clip_defaults(a)  # as validate() did: clip bounds left at auto are the loss's own
     hp = OmegaConf.to_object(a)
     policy = policy_from(model, m, a, spec, hp)
-    engine = build_engine(cfg, policy, tokenizer)
+    # async: the producer holds the run's engine; the trainer evaluates (and refills) with HF generate
+    engine = build_engine(cfg, policy, tokenizer, "hf" if cfg.rollout.mode == "async" else None)
     evals = {
         "eval_greedy": cfg.eval.greedy,
         "eval_sampled": cfg.eval.sampled,

@@ -214,11 +214,12 @@ def validate_async(cfg: DictConfig, data: str) -> None:
         f"sync for algo.module={cfg.algo.module}: it trains on a dataset, there are no rollouts to overlap",
     )
     check(
-        cfg.rollout.engine == "hf",
-        "rollout.engine",
-        cfg.rollout.engine,
-        "hf with rollout.mode=async (a vLLM producer on devices of its own is not built yet)",
+        not cfg.rollout.get("offload_trainer_during_rollout", False),
+        "rollout.offload_trainer_during_rollout",
+        True,
+        "false with rollout.mode=async (the trainer keeps training while the producer generates)",
     )
+    validate_producer_devices(cfg)
     check(
         cfg.strategy.name in ("auto", "ddp"),
         "strategy",
@@ -311,3 +312,53 @@ def validate_run_fields(cfg: DictConfig) -> None:
     check(cfg.checkpoint.every_n_steps >= 0, "checkpoint.every_n_steps", cfg.checkpoint.every_n_steps, ">= 0")
     if cfg.ckpt_path is not None:
         check_checkpoint("ckpt_path", cfg.ckpt_path)
+
+
+def trainer_cuda_devices(devices: Any, visible: int) -> list[int]:
+    """The CUDA devices ``trainer.devices`` trains on, of ``visible``: a count takes the first
+    ones, a list names them, ``auto`` (or -1) takes them all."""
+    if isinstance(devices, int) and devices > 0:
+        return list(range(devices))
+    if isinstance(devices, (list, tuple)) or OmegaConf.is_list(devices):
+        return [int(d) for d in devices]
+    return list(range(visible))
+
+
+def validate_producer_devices(cfg: DictConfig, visible: int | None = None) -> None:
+    """``rollout.devices``: CUDA devices that exist here, that training does not use, one per rank.
+    ``visible``: the CUDA device count (default: torch's)."""
+    devices = cfg.rollout.devices
+    if devices is None:
+        return
+    if visible is None:
+        import torch
+
+        visible = torch.cuda.device_count()
+    wanted = [int(d) for d in devices]
+    check(
+        cfg.trainer.num_nodes == 1,
+        "trainer.num_nodes",
+        cfg.trainer.num_nodes,
+        "1 with rollout.devices (the producers' devices are indexed by rank on one machine)",
+    )
+    check(
+        visible > 0,
+        "rollout.devices",
+        wanted,
+        "null on a machine without CUDA devices (the producer then runs beside the trainer, on the CPU)",
+    )
+    check(max(wanted) < visible, "rollout.devices", wanted, f"indices below {visible}, the CUDA devices here")
+    used = trainer_cuda_devices(cfg.trainer.devices, visible)
+    check(
+        not set(wanted) & set(used),
+        "rollout.devices",
+        wanted,
+        f"devices training does not use: trainer.devices={cfg.trainer.devices} trains on {used} "
+        f"(e.g. trainer.devices=[0] rollout.devices=[1])",
+    )
+    check(
+        len(wanted) >= len(used),
+        "rollout.devices",
+        wanted,
+        f"one device per rank: {len(used)} ranks train on {used}",
+    )

@@ -4,10 +4,11 @@ the producer process does not support (the whole validation), each naming its fi
 from __future__ import annotations
 
 import pytest
+import torch
 
 from rlhf_lightning.errors import ConfigError
 from rlhf_lightning.field_checks import early_checks
-from rlhf_lightning.validation import validate
+from rlhf_lightning.validation import validate, validate_producer_devices
 from tests.conftest import FAST, compose_config
 
 ASYNC = "rollout.mode=async"
@@ -21,6 +22,10 @@ ASYNC = "rollout.mode=async"
         (["rollout.partial=true"], "rollout.partial", True),  # the default mode: sync
         ([ASYNC, "rollout.producer_threads=0"], "rollout.producer_threads", 0),
         ([ASYNC, "rollout.async_timeout_s=0"], "rollout.async_timeout_s", 0),
+        (["rollout.devices=[1]"], "rollout.devices", [1]),  # the default mode: sync
+        ([ASYNC, "rollout.devices=[]"], "rollout.devices", []),
+        ([ASYNC, "rollout.devices=[-1]"], "rollout.devices", [-1]),
+        ([ASYNC, "rollout.devices=[1,1]"], "rollout.devices", [1, 1]),
     ],
 )
 def test_async_fields_fail_early_naming_the_field(overrides, field, value):
@@ -41,7 +46,11 @@ def test_async_fields_at_their_bounds_pass_early():
 @pytest.mark.parametrize(
     ("overrides", "field", "value"),
     [
-        ([*FAST, "rollout=vllm"], "rollout.engine", "vllm"),
+        (
+            [*FAST, "rollout=vllm", "rollout.offload_trainer_during_rollout=true"],
+            "rollout.offload_trainer_during_rollout",
+            True,
+        ),
         ([*FAST, "strategy=fsdp"], "strategy", "fsdp"),
         ([*FAST, "population.size=2"], "population.size", 2),
         (["algo=sft"], "rollout.mode", "async"),  # trains on a dataset: no rollouts to overlap
@@ -61,6 +70,46 @@ def test_sync_and_async_defaults_pass(tmp_path):
     validate(compose_config([*FAST, ASYNC], output_dir=tmp_path / "async"))
     validate(compose_config([*FAST, ASYNC, "rollout.max_staleness=0"], output_dir=tmp_path / "k0"))
     validate(compose_config([*FAST, ASYNC, "rollout.partial=true", "env=guess_number"], tmp_path / "p"))
+    validate(compose_config([*FAST, ASYNC, "rollout=vllm"], output_dir=tmp_path / "vllm"))  # a vLLM producer
+
+
+@pytest.mark.parametrize(
+    ("overrides", "visible", "match"),
+    [
+        (["rollout.devices=[1]"], 0, "null on a machine without CUDA devices"),
+        (["rollout.devices=[2]", "trainer.devices=1"], 2, "indices below 2"),
+        (["rollout.devices=[0]", "trainer.devices=1"], 2, r"trains on \[0\]"),  # training's own
+        (["rollout.devices=[1]"], 2, r"trainer.devices=auto trains on \[0, 1\]"),  # auto: all of them
+        (["rollout.devices=[1]", "trainer.devices=[1]"], 2, r"trains on \[1\]"),
+        (["rollout.devices=[2]", "trainer.devices=2"], 4, r"one device per rank: 2 ranks"),
+        (["rollout.devices=[1]", "trainer.devices=1", "trainer.num_nodes=2"], 2, "on one machine"),
+    ],
+)
+def test_producer_devices_must_exist_be_unused_by_training_and_one_per_rank(overrides, visible, match):
+    cfg = compose_config([*FAST, ASYNC, *overrides])
+    early_checks(cfg)  # the fields alone are fine
+    with pytest.raises(ConfigError, match=match) as err:
+        validate_producer_devices(cfg, visible=visible)
+    assert err.value.field in ("rollout.devices", "trainer.num_nodes")
+
+
+def test_producer_devices_beside_trainings_pass():
+    validate_producer_devices(compose_config([*FAST, ASYNC]), visible=0)  # null: the trainer's device
+    for overrides, visible in (
+        (["rollout.devices=[1]", "trainer.devices=1"], 2),
+        (["rollout.devices=[2,3]", "trainer.devices=2"], 4),
+        (["rollout.devices=[0,1]", "trainer.devices=[2,3]"], 4),
+    ):
+        validate_producer_devices(compose_config([*FAST, ASYNC, *overrides]), visible=visible)
+
+
+def test_producer_devices_are_checked_by_the_whole_validation(tmp_path):
+    """On this machine (no CUDA device) any rollout.devices is refused by ``validate`` itself."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA devices")
+    with pytest.raises(ConfigError, match="without CUDA devices") as err:
+        validate(compose_config([*FAST, ASYNC, "rollout.devices=[1]"], output_dir=tmp_path / "d"))
+    assert err.value.field == "rollout.devices" and err.value.value == [1]
 
 
 def test_an_objective_without_a_ratio_is_refused_under_staleness(tmp_path):

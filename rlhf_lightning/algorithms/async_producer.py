@@ -11,6 +11,10 @@ Messages (queues between our own two processes; objects travel as :func:`pack` b
                           ("generate", Request)                   a batch to produce
                           ("stop",)
     producer -> trainer   ("ready", pid) once built; ("batch", Produced); ("error", traceback)
+
+Weights reach the engine when a generate call needs their version: copied into the producer's
+policy (the HF engine samples that policy itself), then ``engine.ensure_synced`` (a vLLM engine
+loads the LoRA adapter in place, or reloads every weight with full fine-tuning).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -45,6 +49,26 @@ def pack(obj: Any) -> bytes:
 def unpack(data: bytes) -> Any:
     """What :func:`pack` made, in the other one of our own two processes (never user data)."""
     return pickle.loads(data)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a rank's producer runs: its torch ``device`` (``cpu``, or ``cuda:<i>``) and the
+    trainer's ``rank`` of ``world_size`` (a vLLM engine's seed and staging directory follow it)."""
+
+    device: str = "cpu"
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def cuda_index(self) -> int | None:
+        return int(self.device.split(":")[1]) if self.device.startswith("cuda:") else None
+
+
+def call_seed(seed: int, call: int) -> int:
+    """The sampling seed of generate call ``call`` of a batch seeded with ``seed`` (an engine with
+    its own generator, vLLM, seeds each prompt from it: a regenerated batch draws the same)."""
+    return (seed * 1_000_003 + call * 7_919) % 2**31
 
 
 @dataclass(frozen=True)
@@ -88,13 +112,17 @@ class VersionedSampler:
     """The engine with the version of each generate call put in place first (``load``), so a
     turn of a partial rollout runs on newer weights than the turn before. Records the versions."""
 
-    def __init__(self, engine: Any, load: Callable[[int], None], versions: list[int]) -> None:
-        self.engine, self.load, self.versions = engine, load, versions
+    def __init__(
+        self, engine: Any, load: Callable[[int], None], versions: list[int], seed: int | None = None
+    ) -> None:
+        self.engine, self.load, self.versions, self.seed = engine, load, versions, seed
         self.used: list[int] = []
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
         version = self.versions[min(len(self.used), len(self.versions) - 1)]
         self.load(version)
+        if self.seed is not None:
+            params = replace(params, seed=call_seed(self.seed, len(self.used)))
         self.used.append(version)
         return self.engine.generate(prompt_token_ids, params)
 
@@ -107,12 +135,18 @@ def seed_all(seed: int) -> None:
 
 
 class Producer:
-    """The producer's loop state: the harness, the engine, the policy's parameters by name, the
-    versions received, the requests not yet served."""
+    """The producer's loop state: the harness, the engine, the policy and its parameters by name,
+    the versions received, the requests not yet served. ``build(place)`` makes the first three."""
 
-    def __init__(self, build: Callable[[], tuple[Any, Any, Any]], commands: Any, parent_pid: int) -> None:
-        self.harness, self.engine, policy = build()
-        self.params = dict(policy.named_parameters())
+    def __init__(
+        self,
+        build: Callable[[Placement], tuple[Any, Any, Any]],
+        commands: Any,
+        parent_pid: int,
+        place: Placement | None = None,
+    ) -> None:
+        self.harness, self.engine, self.policy = build(place or Placement())
+        self.params = dict(self.policy.named_parameters())
         self.commands, self.parent_pid = commands, parent_pid
         self.store: dict[int, dict[str, torch.Tensor]] = {}
         self.loaded: int | None = None
@@ -147,6 +181,7 @@ class Producer:
             with torch.no_grad():
                 for name, value in self.store[version].items():
                     self.params[name].copy_(value)
+            self.engine.ensure_synced(self.policy, version)  # an engine with weights of its own
             self.loaded = version
 
     def produce(self, req: Request) -> Produced:
@@ -157,7 +192,7 @@ class Producer:
             rng.restore(req.rng_state)
         else:
             seed_all(int(req.seed or 0))
-        sampler = VersionedSampler(self.engine, self.load, req.versions)
+        sampler = VersionedSampler(self.engine, self.load, req.versions, req.seed)
         result = self.harness.rollout(sampler, req.rows, req.sampling, group_size=req.group_size)
         for traj in result.trajectories:
             traj.turn_versions = sampler.used[: traj.num_turns]
@@ -172,13 +207,21 @@ class Producer:
 
 
 def producer_main(
-    build: Callable[[], tuple[Any, Any, Any]], commands: Any, results: Any, threads: int, parent_pid: int
+    build: Callable[[Placement], tuple[Any, Any, Any]],
+    commands: Any,
+    results: Any,
+    threads: int,
+    parent_pid: int,
+    place: Placement | None = None,
 ) -> None:
-    """The producer process: build the parts, then serve requests in order until told to stop.
-    Any error goes back to the trainer with its traceback (the trainer raises it)."""
+    """The producer process: build the parts on ``place``, then serve requests in order until
+    told to stop. Any error goes back to the trainer with its traceback (the trainer raises it)."""
+    producer = None
     try:
         torch.set_num_threads(threads)
-        producer = Producer(build, commands, parent_pid)
+        if place is not None and place.cuda_index is not None:
+            torch.cuda.set_device(place.cuda_index)
+        producer = Producer(build, commands, parent_pid, place)
         results.put(("ready", os.getpid()))
         while True:
             while not producer.pending:
@@ -189,3 +232,6 @@ def producer_main(
         return
     except BaseException:
         results.put(("error", traceback.format_exc()))
+    finally:
+        if producer is not None:
+            producer.engine.shutdown()  # e.g. a vLLM engine's adapter staging directory

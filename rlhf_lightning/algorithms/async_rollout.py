@@ -32,7 +32,15 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from rlhf_lightning.algorithms.async_producer import POLL_S, Produced, Request, pack, producer_main, unpack
+from rlhf_lightning.algorithms.async_producer import (
+    POLL_S,
+    Placement,
+    Produced,
+    Request,
+    pack,
+    producer_main,
+    unpack,
+)
 from rlhf_lightning.envs.harness import RolloutResult
 from rlhf_lightning.rollout.engine import SamplingParams
 from rlhf_lightning.runtime import rng
@@ -45,13 +53,25 @@ Weights = dict[str, torch.Tensor]
 @dataclass(frozen=True)
 class AsyncSettings:
     """``rollout.max_staleness``, ``rollout.partial``, ``rollout.async_timeout_s``, the producer's
-    torch threads and the seed its per-batch seeds derive from (with the rank)."""
+    torch threads, the seed its per-batch seeds derive from (with the rank) and
+    ``rollout.devices`` (the CUDA device of each rank's producer; None: the trainer's device)."""
 
     max_staleness: int
     partial: bool = False
     timeout_s: float = 600.0
     threads: int = 1
     seed: int = 0
+    devices: tuple[int, ...] | None = None
+
+
+def placement(devices: tuple[int, ...] | None, rank: int, world_size: int, trainer_device: str) -> Placement:
+    """Where ``rank``'s producer runs: ``cuda:<devices[rank]>`` (a device training does not use),
+    or, without ``devices``, the trainer's own device (colocated; ``cpu`` on a CPU machine)."""
+    if devices is None:
+        return Placement(trainer_device, rank, world_size)
+    if rank >= len(devices):
+        raise ValueError(f"rollout.devices={list(devices)} has no device for rank {rank} of {world_size}")
+    return Placement(f"cuda:{devices[rank]}", rank, world_size)
 
 
 def batch_seed(seed: int, rank: int, step: int) -> int:
@@ -71,19 +91,21 @@ class AsyncRollouts:
     """Runs the producer process and keeps it ``max_staleness`` batches ahead of the trainer.
 
     Args:
-        build: builds the producer's (harness, engine, policy) in its process (picklable).
+        build: builds the producer's (harness, engine, policy) on a :class:`Placement`, in its
+            process (picklable).
         settings: see :class:`AsyncSettings`.
         max_turns: the env's turns per episode (partial rollouts' version plan).
     """
 
     def __init__(
-        self, build: Callable[[], tuple[Any, Any, Any]], settings: AsyncSettings, max_turns: int
+        self, build: Callable[[Placement], tuple[Any, Any, Any]], settings: AsyncSettings, max_turns: int
     ) -> None:
         self.build, self.s, self.max_turns = build, settings, max_turns
         self.store: dict[int, Weights] = {}  # published versions a request or a checkpoint may need
         self.sent: set[int] = set()  # versions the producer has
         self.requested: dict[int, list[int]] = {}  # step -> rows, for requests in flight
         self.rank = 0
+        self.place = Placement()
         self.proc: Any = None
 
     # ---------------------------------------------------------------- process
@@ -93,7 +115,7 @@ class AsyncRollouts:
         self.commands, self.results = ctx.Queue(), ctx.Queue()
         self.proc = ctx.Process(
             target=producer_main,
-            args=(self.build, self.commands, self.results, self.s.threads, os.getpid()),
+            args=(self.build, self.commands, self.results, self.s.threads, os.getpid(), self.place),
             name="rollout-producer",
             daemon=True,
         )
@@ -233,6 +255,7 @@ class AsyncRollouts:
         """Publish the current weights as version ``step``, start the producer, and request the
         batches ``step .. step + K`` (their versions are this one or the checkpoint's)."""
         self.rank = source.rank
+        self.place = placement(self.s.devices, source.rank, source.world_size, source.device)
         current = source.weights()
         missing = [v for v in range(max(0, step - self.s.max_staleness), step) if v not in self.store]
         if missing:  # e.g. a synchronous run's checkpoint resumed with rollout.mode=async
@@ -288,8 +311,11 @@ def is_stale(result: RolloutResult, step: int) -> bool:
 @dataclass(frozen=True)
 class BatchSource:
     """What the producer needs from the trainer: its rank, the current trainable weights
-    (``weights()``, a CPU copy) and the rows of a future batch (``rows_of(step)``)."""
+    (``weights()``, a CPU copy), the rows of a future batch (``rows_of(step)``), the number of
+    ranks and the trainer's device (where a producer without ``rollout.devices`` runs)."""
 
     rank: int
     weights: Callable[[], Weights]
     rows_of: Callable[[int], list[int]]
+    world_size: int = 1
+    device: str = "cpu"

@@ -141,7 +141,9 @@ class RolloutModule(RolloutEvaluation):
 
     def producer_view(self) -> BatchSource:
         """What the producer needs of this trainer (``rollout.mode=async``): :func:`actor_source`."""
-        return actor_source(self.policy, self.rank, lambda: self.trainer.train_dataloader)
+        return actor_source(
+            self.policy, self.rank, lambda: self.trainer.train_dataloader, self.world_size, str(self.device)
+        )
 
     def on_fit_start(self) -> None:
         self.objective = self.build_objective()

@@ -74,12 +74,15 @@ class Collector:
             self.async_rollouts.close()
 
 
-def actor_source(policy: Any, rank: int, loader: Callable[[], Any]) -> BatchSource:
+def actor_source(
+    policy: Any, rank: int, loader: Callable[[], Any], world_size: int = 1, device: str = "cpu"
+) -> BatchSource:
     """The producer's view of the trainer: ``rank``, a CPU copy of ``policy``'s actor weights
-    (by the role the policy was built with), the rows of the train ``loader()``'s future batches."""
+    (by the role the policy was built with), the rows of the train ``loader()``'s future batches,
+    the number of ranks and the trainer's ``device``."""
     actor = policy.roles["actor"]
 
     def weights() -> dict[str, torch.Tensor]:
         return {n: p.detach().to("cpu", copy=True) for n, p in policy.named_parameters() if n in actor}
 
-    return BatchSource(rank, weights, lambda b: rows_of_batch(loader(), b))
+    return BatchSource(rank, weights, lambda b: rows_of_batch(loader(), b), world_size, device)

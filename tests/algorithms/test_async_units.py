@@ -23,17 +23,25 @@ import pytest
 import torch
 
 from rlhf_lightning.algorithms import async_producer
-from rlhf_lightning.algorithms.async_producer import Produced, Producer, Request, VersionedSampler
+from rlhf_lightning.algorithms.async_producer import (
+    Placement,
+    Produced,
+    Producer,
+    Request,
+    VersionedSampler,
+    call_seed,
+)
 from rlhf_lightning.algorithms.async_rollout import (
     AsyncRollouts,
     AsyncSettings,
     batch_seed,
     is_stale,
+    placement,
     turn_versions,
 )
 from rlhf_lightning.envs.harness import RolloutResult
 from rlhf_lightning.envs.trajectory import Trajectory, collate
-from rlhf_lightning.rollout.engine import Completion, SamplingParams
+from rlhf_lightning.rollout.engine import Completion, EngineBase, SamplingParams
 from rlhf_lightning.runtime import rng
 
 OBS = 99  # the observation token the fake harness puts between turns
@@ -61,7 +69,7 @@ def append_turn(traj: Trajectory, turn: int, ids: list[int], logps: list[float])
     traj.finish_reasons.append("stop")
 
 
-class FakeEngine:
+class FakeEngine(EngineBase):
     """Generates ``TOKENS_PER_TURN`` tokens per prompt, their log-probs the policy's weight (so a
     batch shows which weights generated it), and records each call: the weight and one draw of
     each global generator (Python, NumPy, torch), also handed back in ``Completion.extra``."""
@@ -69,11 +77,22 @@ class FakeEngine:
     def __init__(self, policy: torch.nn.Linear) -> None:
         self.policy = policy
         self.calls: list[dict[str, Any]] = []
+        self.synced: list[tuple[float, int]] = []  # (the policy's weight, the version) per sync
+        self.place: Placement | None = None
+        self.shut_down = False
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+
+    def ensure_synced(self, policy: torch.nn.Module, version: int) -> None:
+        self.synced.append((float(policy.weight.detach().sum()), version))
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
         weight = float(self.policy.weight.detach().sum())
         draw = {"torch": float(torch.rand(())), "python": random.random(), "numpy": float(np.random.rand())}
-        self.calls.append({"weight": weight, "prompts": [list(p) for p in prompt_token_ids], **draw})
+        self.calls.append(
+            {"weight": weight, "prompts": [list(p) for p in prompt_token_ids], "seed": params.seed, **draw}
+        )
         n = min(TOKENS_PER_TURN, params.max_new_tokens)
         one = Completion(list(range(10, 10 + n)), [weight] * n, "stop", extra=draw)
         return [replace(one, prompt_index=i) for i in range(len(prompt_token_ids))]
@@ -117,22 +136,26 @@ def weights_of(version: int) -> dict[str, torch.Tensor]:
     return {"weight": torch.full((1, 1), 10.0 * version + 1.0)}
 
 
-def build_parts(max_turns: int = 2) -> tuple[FakeHarness, FakeEngine, torch.nn.Module]:
-    """The producer's (harness, engine, policy)."""
+def build_parts(
+    place: Placement | None = None, max_turns: int = 2
+) -> tuple[FakeHarness, FakeEngine, torch.nn.Module]:
+    """The producer's (harness, engine, policy); the engine records its ``place``."""
     policy = tiny_policy()
-    return FakeHarness(max_turns), FakeEngine(policy), policy
+    engine = FakeEngine(policy)
+    engine.place = place
+    return FakeHarness(max_turns), engine, policy
 
 
-def build_failing() -> tuple[Any, Any, Any]:
+def build_failing(place: Placement | None = None) -> tuple[Any, Any, Any]:
     raise ValueError("boom")
 
 
-def build_sleeping() -> tuple[Any, Any, Any]:
+def build_sleeping(place: Placement | None = None) -> tuple[Any, Any, Any]:
     time.sleep(120)
     return build_parts()
 
 
-def build_exiting() -> tuple[Any, Any, Any]:
+def build_exiting(place: Placement | None = None) -> tuple[Any, Any, Any]:
     os._exit(3)
 
 
@@ -235,6 +258,26 @@ def test_versioned_sampler_loads_each_calls_version_then_repeats_the_last():
     assert loaded == [3, 4, 4, 4] and sampler.used == [3, 4, 4, 4]
     assert [c["prompts"] for c in engine.calls] == [[[k, k + 1]] for k in range(4)]  # passed through
     assert all(o[0].token_ids == [10] for o in outs)  # the engine's completions handed back
+    assert [c["seed"] for c in engine.calls] == [None] * 4  # no batch seed: the engine's generator
+
+
+def test_versioned_sampler_gives_each_call_its_own_seed_from_the_batch_seed():
+    engine = FakeEngine(tiny_policy())
+    sampler = VersionedSampler(engine, lambda v: None, [0], seed=12345)
+    for _ in range(3):
+        sampler.generate([[1]], SamplingParams(max_new_tokens=1))
+    seeds = [c["seed"] for c in engine.calls]
+    assert seeds == [(12345 * 1_000_003 + k * 7_919) % 2**31 for k in range(3)]  # call_seed by hand
+    assert len(set(seeds)) == 3 and all(0 <= s < 2**31 for s in seeds)
+
+
+def test_placement_is_the_ranks_device_or_the_trainers():
+    assert placement(None, 1, 2, "cuda:1") == Placement("cuda:1", 1, 2)  # colocated
+    assert placement(None, 0, 1, "cpu") == Placement("cpu", 0, 1)
+    assert placement((2, 3), 1, 2, "cuda:1") == Placement("cuda:3", 1, 2)  # rank 1: devices[1]
+    assert placement((2, 3), 1, 2, "cuda:1").cuda_index == 3 and Placement().cuda_index is None
+    with pytest.raises(ValueError, match=r"rollout.devices=\[2\] has no device for rank 1 of 2"):
+        placement((2,), 1, 2, "cuda:1")
 
 
 def trainer_side(versions: list[int]) -> AsyncRollouts:
@@ -251,7 +294,7 @@ def trainer_side(versions: list[int]) -> AsyncRollouts:
 def producer_with(versions: list[int]) -> tuple[Producer, AsyncRollouts, FakeEngine]:
     """A producer in this process (three turns) reading what :func:`trainer_side` sent."""
     trainer = trainer_side(versions)
-    producer = Producer(functools.partial(build_parts, 3), trainer.commands, os.getppid())
+    producer = Producer(functools.partial(build_parts, max_turns=3), trainer.commands, os.getppid())
     assert isinstance(producer.engine, FakeEngine)
     return producer, trainer, producer.engine
 
@@ -275,6 +318,9 @@ def test_produce_loads_each_turns_version_and_sets_turn_versions():
     assert sorted(producer.store) == [1, 2, 3]  # older than the first version (1): dropped
     assert trainer.commands.qsize() == 1  # version 4 not read: no wait for what the batch does not need
     assert producer.loaded == 3 and torch.equal(producer.params["weight"].detach(), weights_of(3)["weight"])
+    # The engine was synced once per version, after the version's weights were in the policy.
+    assert engine.synced == [(11.0, 1), (21.0, 2), (31.0, 3)]
+    assert {c["seed"] for c in engine.calls} == {call_seed(5, k) for k in range(3)}
 
 
 def test_produce_drops_only_versions_older_than_the_requests_first():
@@ -371,6 +417,26 @@ def test_receive_waits_while_the_trainer_lives_and_exits_when_it_is_gone(monkeyp
     finally:
         timer.join()
     assert producer.store.keys() == {2} and producer.waited >= 0.15
+
+
+def test_producer_main_builds_on_its_place_and_shuts_the_engine_down_at_the_end():
+    built: list[FakeEngine] = []
+
+    def build(place: Placement) -> tuple[Any, Any, Any]:
+        parts = build_parts(place)
+        built.append(parts[1])
+        return parts
+
+    commands: queue.Queue = queue.Queue()
+    results: queue.Queue = queue.Queue()
+    commands.put(("stop",))
+    threads = torch.get_num_threads()
+    try:
+        async_producer.producer_main(build, commands, results, 1, os.getppid(), Placement("cpu", 1, 2))
+    finally:
+        torch.set_num_threads(threads)
+    assert results.get_nowait() == ("ready", os.getpid()) and results.empty()
+    assert built[0].place == Placement("cpu", 1, 2) and built[0].shut_down
 
 
 # ---------------------------------------------------------------- checkpoint state
