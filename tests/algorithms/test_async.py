@@ -130,6 +130,12 @@ def test_partial_rollouts_record_each_turns_version(tmp_path):
         ],
         output_dir=tmp_path / "run",
     )
+    assert_turns_carry_their_versions(*fit_recorded(cfg, tmp_path, steps=3))
+
+
+def fit_recorded(cfg, tmp_path, steps: int) -> tuple:
+    """Fit ``steps`` steps recording every rollout and every published version: (module, the
+    (step, rollout) pairs, {version: weights})."""
     seen: list = []
     versions: dict = {}
 
@@ -137,7 +143,13 @@ def test_partial_rollouts_record_each_turns_version(tmp_path):
         record_rollouts(module, seen)
         record_versions(module, versions)
 
-    module, _ = fit_steps(cfg, tmp_path, steps=3, module_hook=hook)
+    module, _ = fit_steps(cfg, tmp_path, steps=steps, module_hook=hook)
+    return module, seen, versions
+
+
+def assert_turns_carry_their_versions(module, seen: list, versions: dict) -> None:
+    """K = 1, partial: each batch s after the first has turn 0 from version s - 1 and later turns
+    from version s, and each generated token's log-prob is its own turn's version's."""
     two_turns = 0
     for step, result in seen[1:]:
         batch = result.batch

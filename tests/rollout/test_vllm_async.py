@@ -20,8 +20,9 @@ from rlhf_lightning.rollout.vllm import VLLMEngine  # noqa: E402
 from tests.algorithms.test_async import (  # noqa: E402
     ASYNC,
     assert_continues_exactly,
+    assert_turns_carry_their_versions,
+    fit_recorded,
     logps_under,
-    record_rollouts,
     record_versions,
 )
 from tests.conftest import FAST, compose_config, fit_steps  # noqa: E402
@@ -110,29 +111,7 @@ def test_partial_rollouts_switch_the_vllm_engines_weights_between_turns(tmp_path
         ],
         output_dir=tmp_path / "run",
     )
-    seen: list = []
-    versions: dict = {}
-
-    def hook(module):
-        record_rollouts(module, seen)
-        record_versions(module, versions)
-
-    module, _ = fit_steps(cfg, tmp_path, steps=3, module_hook=hook)
-    two_turns = 0
-    for step, result in seen[1:]:
-        batch = result.batch
-        before = logps_under(module, versions[step - 1], batch)
-        after = logps_under(module, versions[step], batch)
-        for i, t in enumerate(result.trajectories):
-            assert t.turn_versions == [step - 1, step, step][: t.num_turns]
-            tokens = torch.tensor(t.token_versions()[1:])  # aligned with the (L-1) action columns
-            for version, expected in ((step - 1, before), (step, after)):
-                cols = (tokens == version).nonzero().squeeze(-1)
-                if len(cols):
-                    got = batch.sampling_logps[i, cols]
-                    assert (got - expected[i, cols]).abs().max() < 1e-4, (step, i, version)
-            two_turns += t.num_turns >= 2
-    assert two_turns > 0  # some episode ran on two versions
+    assert_turns_carry_their_versions(*fit_recorded(cfg, tmp_path, steps=3))
 
 
 def test_sigkill_then_resume_continues_a_vllm_producers_run_exactly(tmp_path):
