@@ -159,17 +159,17 @@ def validate_async_fields(r: DictConfig) -> None:
         ">= 1, or null (the trainer's)",
     )
     check(r.async_timeout_s > 0, "rollout.async_timeout_s", r.async_timeout_s, "> 0 seconds")
-    devices = r.devices
+    devices = None if r.devices is None else list(r.devices)
     check(
         devices is None or (r.mode == "async" and len(devices) > 0 and all(d >= 0 for d in devices)),
         "rollout.devices",
-        None if devices is None else list(devices),
+        devices,
         "null, or with rollout.mode=async a list of CUDA device indices, one per rank (e.g. [1])",
     )
     check(
         devices is None or len(set(devices)) == len(devices),
         "rollout.devices",
-        None if devices is None else list(devices),
+        devices,
         "one device per rank's producer, none repeated",
     )
 

@@ -143,9 +143,9 @@ class Producer:
         build: Callable[[Placement], tuple[Any, Any, Any]],
         commands: Any,
         parent_pid: int,
-        place: Placement | None = None,
+        place: Placement = Placement(),
     ) -> None:
-        self.harness, self.engine, self.policy = build(place or Placement())
+        self.harness, self.engine, self.policy = build(place)
         self.params = dict(self.policy.named_parameters())
         self.commands, self.parent_pid = commands, parent_pid
         self.store: dict[int, dict[str, torch.Tensor]] = {}
@@ -212,14 +212,14 @@ def producer_main(
     results: Any,
     threads: int,
     parent_pid: int,
-    place: Placement | None = None,
+    place: Placement = Placement(),
 ) -> None:
     """The producer process: build the parts on ``place``, then serve requests in order until
     told to stop. Any error goes back to the trainer with its traceback (the trainer raises it)."""
     producer = None
     try:
         torch.set_num_threads(threads)
-        if place is not None and place.cuda_index is not None:
+        if place.cuda_index is not None:
             torch.cuda.set_device(place.cuda_index)
         producer = Producer(build, commands, parent_pid, place)
         results.put(("ready", os.getpid()))

@@ -101,8 +101,8 @@ class VLLMEngine:
         self.base_seed, self.local_rank = seed, 0
         self.enable_prefix_caching = enable_prefix_caching
         self.max_loras = max_loras
-        self._named: dict[str, Any] = {}  # adapter name -> its slot's LoRARequest (sync_adapters)
-        self._slots: dict[str, int] = {}  # adapter name -> its LoRA id (the actor's is LORA_ID)
+        # adapter name -> its slot's LoRARequest (sync_adapters; ids after the actor's LORA_ID)
+        self._named: dict[str, Any] = {}
         self._staging_root = lora_staging_dir
         self._temp_staging: str | None = None
         self.llm: Any = None
@@ -229,7 +229,6 @@ class VLLMEngine:
     def sync_adapters(self, policy: Any, names: list[str]) -> None:
         """Load each of ``policy``'s LoRA adapters ``names`` into a slot of its own, in place (e.g.
         a population's members, sampled side by side by ``generate(..., adapters=...)``)."""
-        vllm = import_vllm()
         if self.lora_rank is None:
             raise ValueError("VLLMEngine.sync_adapters needs a LoRA engine (lora_rank set)")
         self.wake()
@@ -237,14 +236,11 @@ class VLLMEngine:
         with torch.inference_mode(False):
             save_adapters(policy.model, root, list(names), None)
             for name in names:
-                slot = self._slots.setdefault(name, LORA_ID + 1 + len(self._slots))
-                path = str(root / name)
-                self.llm.llm_engine.add_lora(
-                    vllm.lora.request.LoRARequest(name, slot, path, load_inplace=True)
+                slot = (
+                    self._named[name].lora_int_id if name in self._named else LORA_ID + 1 + len(self._named)
                 )
-                self._named[name] = vllm.lora.request.LoRARequest(name, slot, path)
-        if self.llm.reset_prefix_cache() is False:  # cached blocks of the old weights (see _sync)
-            raise RuntimeError("vLLM refused to reset its prefix cache after an adapter sync")
+                self._named[name] = self._load_slot(name, slot, root / name)
+        self._reset_prefix_cache()
 
     def sync_weights(self, model: Any) -> None:
         """LoRA: export the actor adapter and reload the resident slot in place. Full: push all weights."""
@@ -254,23 +250,28 @@ class VLLMEngine:
 
     def _sync(self, policy: Any) -> None:
         if self.lora_rank is not None:
-            vllm = import_vllm()
-            out = policy.save_adapter(self.staging_dir)
-            device = torch.cuda.current_device() if self.on_gpu else None
-            with torch.cuda.device(device) if device is not None else _null():  # load on this rank's GPU
-                self.llm.llm_engine.add_lora(
-                    vllm.lora.request.LoRARequest(LORA_NAME, LORA_ID, str(out), load_inplace=True)
-                )
-            self._lora_request = vllm.lora.request.LoRARequest(LORA_NAME, LORA_ID, str(out))
+            self._lora_request = self._load_slot(LORA_NAME, LORA_ID, policy.save_adapter(self.staging_dir))
         else:
             state = {
                 k: v.detach().to("cpu" if not self.on_gpu else v.device)
                 for k, v in policy.causal_lm.state_dict().items()
             }
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state.items())})
-        # Cached KV blocks were computed with the old weights, and with LoRA the slot keeps its id, so
-        # they keep their hashes and would be reused. Sleep (level >= 1) clears the cache, but it is a
-        # no-op on CPU and with rollout.sleep_mode=false: reset after every sync.
+        self._reset_prefix_cache()
+
+    def _load_slot(self, name: str, lora_id: int, path: Path) -> Any:
+        """(Re)load the adapter at ``path`` into LoRA slot ``lora_id``, on this rank's GPU; the
+        request that later generate calls name it by."""
+        request = import_vllm().lora.request.LoRARequest
+        device = torch.cuda.current_device() if self.on_gpu else None
+        with torch.cuda.device(device) if device is not None else _null():
+            self.llm.llm_engine.add_lora(request(name, lora_id, str(path), load_inplace=True))
+        return request(name, lora_id, str(path))
+
+    def _reset_prefix_cache(self) -> None:
+        """After every sync. Cached KV blocks were computed with the old weights, and a LoRA slot
+        keeps its id, so they keep their hashes and would be reused. Sleep (level >= 1) clears the
+        cache, but it is a no-op on CPU and with rollout.sleep_mode=false."""
         if self.llm.reset_prefix_cache() is False:
             raise RuntimeError(
                 "vLLM refused to reset its prefix cache after a weight sync (requests running?)"
@@ -289,15 +290,17 @@ class VLLMEngine:
 
         if adapters is not None:
             missing = sorted(set(adapters) - set(self._named))
-            if missing or len(adapters) != len(prompt_token_ids):
+            if missing:
+                raise ValueError(f"VLLMEngine: adapters {missing} were not synced (sync_adapters first)")
+            if len(adapters) != len(prompt_token_ids):
                 raise ValueError(
-                    f"VLLMEngine: adapters {missing} were not synced (sync_adapters first)"
-                    if missing
-                    else f"VLLMEngine: {len(adapters)} adapters for {len(prompt_token_ids)} prompts (one per prompt)"
+                    f"VLLMEngine: {len(adapters)} adapters for {len(prompt_token_ids)} prompts (one per prompt)"
                 )
-        sp: Any = vllm_sampling_params(vllm, params)
-        if params.seed is not None:  # one seed per prompt: a repeated prompt still draws its own
-            sp = [vllm_sampling_params(vllm, params, params.seed + i) for i in range(len(prompt_token_ids))]
+        sp: Any = (  # one seed per prompt: a repeated prompt still draws its own
+            [vllm_sampling_params(vllm, params, params.seed + i) for i in range(len(prompt_token_ids))]
+            if params.seed is not None
+            else vllm_sampling_params(vllm, params)
+        )
         lora: Any = getattr(self, "_lora_request", None) if self.lora_rank is not None else None
         if adapters is not None:
             lora = [self._named[a] for a in adapters]

@@ -42,6 +42,17 @@ def record_versions(module, versions: dict) -> None:
     producer.publish = spy
 
 
+def record_updates(module, updates: list) -> None:
+    """Append (step, trajectories, the ratio's old log-probs) for every update to ``updates``."""
+    original = module.update
+
+    def spy(traj, scored, old_logp, ref_logp):
+        updates.append((module.collector.batches_done, traj, old_logp.detach().clone()))
+        return original(traj, scored, old_logp, ref_logp)
+
+    module.update = spy
+
+
 @torch.no_grad()
 def logps_under(module, weights: dict, traj) -> torch.Tensor:
     """The policy's log-probs of ``traj``'s tokens with ``weights`` put in (B, L-1)."""
@@ -97,13 +108,7 @@ def test_the_ratio_uses_the_generating_policys_logprobs(tmp_path):
 
     def hook(module):
         record_versions(module, versions)
-        original = module.update
-
-        def spy(traj, scored, old_logp, ref_logp):
-            updates.append((module.collector.batches_done, traj, old_logp.detach().clone()))
-            return original(traj, scored, old_logp, ref_logp)
-
-        module.update = spy
+        record_updates(module, updates)
 
     module, _ = fit_steps(cfg, tmp_path, steps=4, module_hook=hook)
     assert [s for s, _, _ in updates] == [0, 1, 2, 3]

@@ -23,6 +23,7 @@ from tests.algorithms.test_async import (  # noqa: E402
     assert_turns_carry_their_versions,
     fit_recorded,
     logps_under,
+    record_updates,
     record_versions,
 )
 from tests.conftest import FAST, compose_config, fit_steps  # noqa: E402
@@ -51,17 +52,6 @@ def test_a_seeded_call_draws_the_same_again_and_each_prompt_its_own(tiny_path, t
         assert draw(SamplingParams(max_new_tokens=12, temperature=1.0, n=2, seed=8))[:2] == first[2:]
     finally:
         engine.shutdown()
-
-
-def record_updates(module, updates: list) -> None:
-    """Append (step, trajectories, the ratio's old log-probs) for every update to ``updates``."""
-    original = module.update
-
-    def spy(traj, scored, old_logp, ref_logp):
-        updates.append((module.collector.batches_done, traj, old_logp.detach().clone()))
-        return original(traj, scored, old_logp, ref_logp)
-
-    module.update = spy
 
 
 @pytest.mark.parametrize(
