@@ -112,10 +112,19 @@ class RolloutEvaluation(ModuleMixin):
     _rng_before_eval: dict[str, Any] | None = None
 
     def rollout(
-        self, rows: list[int], params: SamplingParams, *, group_size: int, evaluation: bool = False
+        self,
+        rows: list[int],
+        params: SamplingParams,
+        *,
+        group_size: int,
+        evaluation: bool = False,
+        adapters: list[str] | None = None,
+        group_sizes: list[int] | None = None,
     ) -> RolloutResult:
         """Episodes for ``rows`` with the current policy: the engine is synced first (a no-op when
-        nothing changed), so no rollout ever samples stale weights."""
+        nothing changed), so no rollout ever samples stale weights. ``adapters`` and
+        ``group_sizes`` (one per row): a population's members sampled side by side
+        (:meth:`RolloutHarness.rollout <rlhf_lightning.envs.harness.RolloutHarness.rollout>`)."""
         if self.harness is None or self.engine is None:
             raise RuntimeError("rollouts need a harness and an engine")
         with gathered(self.policy):  # FSDP: ranks generate independently (free when nested)
@@ -129,6 +138,8 @@ class RolloutEvaluation(ModuleMixin):
                 evaluation=evaluation,
                 progress=progress,
                 device=self.device,
+                adapters=adapters,
+                group_sizes=group_sizes,
             )
 
     def sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:

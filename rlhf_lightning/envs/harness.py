@@ -11,7 +11,7 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 from transformers import PreTrainedTokenizerBase
 
@@ -20,7 +20,7 @@ from rlhf_lightning.envs.chat import ChatFormatter
 from rlhf_lightning.envs.stepping import EnvStepper, StepOutcome, StepTimeout
 from rlhf_lightning.envs.trajectory import Trajectory, TrajectoryBatch, collate
 from rlhf_lightning.rewards import CombinedReward, reward_value
-from rlhf_lightning.rollout.engine import Completion, Sampler, SamplingParams
+from rlhf_lightning.rollout.engine import AdapterSampler, Completion, Sampler, SamplingParams
 
 __all__ = ["ChatFormatter", "RolloutHarness", "RolloutResult", "reward_value"]
 
@@ -112,21 +112,33 @@ class RolloutHarness:
         evaluation: bool = False,
         progress: Callable[[str], None] | None = None,
         device: Any = "cpu",
+        adapters: list[str] | None = None,
+        group_sizes: list[int] | None = None,
     ) -> RolloutResult:
         """``group_size`` episodes for each task row; trajectories are row-major (group-contiguous).
         ``progress`` hears where the rollout is before each turn's generation (the progress bar).
         Training episodes are then scored by ``reward`` (reward models run on ``device``).
 
+        One call may sample several LoRA adapters of one base (a population's members, with an
+        :class:`~rlhf_lightning.rollout.engine.AdapterSampler`): ``adapters[i]`` samples row i's
+        episodes (each trajectory records it), ``group_sizes[i]`` of them (``group_size`` if None).
+
         A row whose prompt leaves no room for ``params.max_new_tokens`` within ``max_model_len``
         is dropped (with its group) and counted, never cut.
         """
-        groups, rendered = self._reset_groups(rows, group_size, evaluation)
+        sizes = list(group_sizes) if group_sizes is not None else [group_size] * len(rows)
+        for name, per_row in (("adapters", adapters), ("group_sizes", group_sizes)):
+            if per_row is not None and len(per_row) != len(rows):
+                raise ValueError(
+                    f"RolloutHarness.rollout: {len(per_row)} {name} for {len(rows)} rows (one per row)"
+                )
+        groups, rendered = self._reset_groups(rows, sizes, evaluation)
         texts = list(rendered.values())
         encoded = self.tokenizer(texts, add_special_tokens=False).input_ids if texts else []
         token_ids = dict(zip(rendered, encoded))
-        envs, trajs, dropped = self._start_episodes(groups, rendered, token_ids, group_size, params)
+        envs, trajs, dropped = self._start_episodes(groups, rendered, token_ids, params, adapters)
         self._check_dropped(dropped, len(rows), bool(trajs), params.max_new_tokens)
-        errors, timeouts = self._run_turns(engine, envs, trajs, params, progress)
+        errors, timeouts = self._run_turns(engine, envs, trajs, params, progress, adapters is not None)
         metrics = self._metrics(trajs)
         if self.reward is not None and not evaluation:  # evaluation keeps the env's own rewards
             metrics.update(self.reward.apply(trajs, device))
@@ -138,9 +150,9 @@ class RolloutHarness:
         return RolloutResult(batch, trajs, metrics)
 
     def _reset_groups(
-        self, rows: list[int], group_size: int, evaluation: bool
+        self, rows: list[int], group_sizes: list[int], evaluation: bool
     ) -> tuple[list[list[_Reset]], dict[str, str]]:
-        """A fresh env per episode, reset on its row (``group_size`` per row, in row order), and
+        """A fresh env per episode, reset on its row (``group_sizes[i]`` for row i, in row order), and
         each distinct observation's prompt text, rendered once (group members usually share it).
 
         Returns:
@@ -148,7 +160,7 @@ class RolloutHarness:
         """
         rendered: dict[str, str] = {}
         reset: list[list[_Reset]] = []
-        for row in rows:
+        for row, group_size in zip(rows, group_sizes):
             reset.append([])
             for _ in range(group_size):
                 env = self.env_factory()
@@ -164,21 +176,20 @@ class RolloutHarness:
         groups: list[list[_Reset]],
         rendered: dict[str, str],
         token_ids: dict[str, list[int]],
-        group_size: int,
         params: SamplingParams,
+        adapters: list[str] | None = None,
     ) -> tuple[list[TextEnv], list[Trajectory], int]:
         """Each kept episode's env and its trajectory (the prompt ids so far); a group with a
         prompt that leaves no room for ``params.max_new_tokens`` within ``max_model_len`` is
         dropped whole. Returns (envs, trajectories, dropped groups)."""
         envs: list[TextEnv] = []
         trajs: list[Trajectory] = []
-        dropped = 0
-        for members in groups:
+        dropped = g = 0
+        for row, members in enumerate(groups):
             group = [(env, rendered[key], token_ids[key], obs, info) for env, key, obs, info in members]
             if any(len(ids) + params.max_new_tokens > self.max_model_len for _, _, ids, _, _ in group):
                 dropped += 1
                 continue
-            g = len(trajs) // group_size
             for env, text, ids, obs, info in group:
                 envs.append(env)
                 trajs.append(
@@ -192,8 +203,10 @@ class RolloutHarness:
                         prompt_text=text,
                         observation=obs,
                         task_info=info,
+                        adapter=adapters[row] if adapters is not None else None,
                     )
                 )
+            g += 1
         return envs, trajs, dropped
 
     def _check_dropped(self, dropped: int, num_rows: int, any_kept: bool, max_new_tokens: int) -> None:
@@ -219,6 +232,7 @@ class RolloutHarness:
         trajs: list[Trajectory],
         params: SamplingParams,
         progress: Callable[[str], None] | None,
+        per_adapter: bool = False,
     ) -> tuple[int, int]:
         """Up to ``max_turns`` turns: one engine call for every live episode, then their env steps.
         An episode still going after the last turn is truncated. Returns (env errors, timeouts)."""
@@ -228,7 +242,12 @@ class RolloutHarness:
             if progress is not None:
                 turns = f"turn {turn + 1}/{self.max_turns}, " if self.max_turns > 1 else ""
                 progress(f"rollout: {turns}{len(live)} episodes")
-            completions = engine.generate([trajs[i].token_ids for i in live], replace(params, n=1))
+            prompts, one = [trajs[i].token_ids for i in live], replace(params, n=1)
+            if per_adapter:  # an AdapterSampler: each episode's own adapter
+                names = [cast(str, trajs[i].adapter) for i in live]
+                completions = cast(AdapterSampler, engine).generate(prompts, one, adapters=names)
+            else:
+                completions = engine.generate(prompts, one)
             replies = self.tokenizer.batch_decode(
                 [c.token_ids for c in completions], skip_special_tokens=True
             )

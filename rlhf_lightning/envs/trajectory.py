@@ -48,6 +48,8 @@ class Trajectory:
     # The policy version (optimizer updates done) that generated each turn: set by asynchronous
     # rollouts (``rollout.mode=async``), empty otherwise (the current weights).
     turn_versions: list[int] = field(default_factory=list)
+    # The LoRA adapter that sampled it when one call samples several (a population's members).
+    adapter: str | None = None
 
     @property
     def num_turns(self) -> int:

@@ -97,3 +97,31 @@ def test_numpy_and_0d_tensor_rewards_are_numbers(tiny_tokenizer, reward):
     result = harness.rollout(ScriptedEngine([[5, 2]]), [0], SamplingParams(max_new_tokens=2))
     assert result.batch.rewards.tolist() == [[float(reward)]]
     assert type(result.trajectories[0].rewards[0]) is float
+
+
+class AdapterEngine(ScriptedEngine):
+    """Records the adapter each prompt was sampled under."""
+
+    def generate(self, prompt_token_ids, params, adapters=None):
+        self.adapters = list(adapters) if adapters is not None else None
+        return super().generate(prompt_token_ids, params)
+
+
+def test_per_row_adapters_and_group_sizes(tiny_tokenizer):
+    """Row i's group_sizes[i] episodes are sampled under adapters[i] and say so; group ids count
+    groups in row order."""
+    tok = tiny_tokenizer
+    engine = AdapterEngine([tok("42", add_special_tokens=False).input_ids + [tok.eos_token_id]])
+    harness = RolloutHarness(ArithmeticEnv, tok, ChatFormatter(tok), max_turns=1, max_model_len=256)
+    result = harness.rollout(
+        engine,
+        [0, 5, 0],
+        SamplingParams(max_new_tokens=4),
+        adapters=["m0", "m0", "m1"],
+        group_sizes=[2, 2, 3],
+    )
+    assert engine.adapters == ["m0"] * 4 + ["m1"] * 3
+    assert [t.adapter for t in result.trajectories] == engine.adapters
+    assert result.batch.group_ids.tolist() == [0, 0, 1, 1, 2, 2, 2]
+    with pytest.raises(ValueError, match="2 group_sizes for 3 rows"):
+        harness.rollout(engine, [0, 5, 0], SamplingParams(max_new_tokens=4), group_sizes=[2, 2])
