@@ -10,7 +10,7 @@ top-k, top-p): both engines sample the same distribution and return the same log
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ from transformers.generation import (
     TopPLogitsWarper,
 )
 
+from rlhf_lightning.models.mixed_lora import grouped_mixed_batches
 from rlhf_lightning.models.prompt_sharing import cache_kwarg, output_cache
 from rlhf_lightning.rollout.engine import Completion, EngineBase, SamplingParams
 
@@ -72,7 +73,8 @@ class HFEngine(EngineBase):
     ) -> list[Completion]:
         """``params.n`` completions of each prompt, prompt-major. ``adapters``: the LoRA adapter of
         each prompt (e.g. a population's members), all sampled in one batch, each row under its
-        own adapter (PEFT's mixed-adapter batches); None: the model's active adapter."""
+        own adapter (PEFT's mixed-adapter batches; by slices when each adapter's prompts are
+        contiguous, :mod:`~rlhf_lightning.models.mixed_lora`); None: the model's active adapter."""
         if adapters is not None and len(adapters) != len(prompt_token_ids):
             raise ValueError(
                 f"HFEngine: {len(adapters)} adapters for {len(prompt_token_ids)} prompts (one per prompt)"
@@ -106,7 +108,8 @@ class HFEngine(EngineBase):
         width = ids.shape[1]
         stop_ids = self.eos_token_ids + [t for t in params.stop_token_ids if t not in self.eos_token_ids]
         stop_strings = StopStrings(self.tokenizer, params.stop, width, len(rows)) if params.stop else None
-        with _eval_mode(model), _checkpoint_generation_config_hidden(model):
+        grouped = grouped_mixed_batches() if adapters is not None else nullcontext()
+        with _eval_mode(model), _checkpoint_generation_config_hidden(model), grouped:
             cache = self._shared_prefill(model, rows, ids, mask, adapters) if self.share_prefill else {}
             out = model.generate(
                 **per_row,

@@ -50,16 +50,22 @@ def alone(policy, tokenizer, name, ps, params):
         policy.model.set_adapter(ACTOR)
 
 
-def mixed_order(ps):
-    """(prompt, adapter) pairs, interleaved, each prompt under every adapter."""
+def mixed_order(ps, grouped=False):
+    """(prompt, adapter) pairs, each prompt under every adapter: interleaved (PEFT's per-row
+    path), or grouped adapter by adapter (a population's rollout: the slices path)."""
+    if grouped:
+        return [(k, name) for name in MEMBERS for k in range(len(ps))]
     return [(k, name) for k in range(len(ps)) for name in MEMBERS]
 
 
-def test_a_mixed_greedy_batch_gives_each_row_its_adapters_tokens_and_logprobs(members, tiny_tokenizer):
+@pytest.mark.parametrize("grouped", [False, True], ids=["interleaved", "grouped"])
+def test_a_mixed_greedy_batch_gives_each_row_its_adapters_tokens_and_logprobs(
+    members, tiny_tokenizer, grouped
+):
     ps = prompts(tiny_tokenizer)
     params = SamplingParams(max_new_tokens=8, temperature=0.0, n=2)  # n=2: the shared prefill too
     solo = {name: alone(members, tiny_tokenizer, name, ps, params) for name in MEMBERS}
-    order = mixed_order(ps)
+    order = mixed_order(ps, grouped)
     out = engine_of(members, tiny_tokenizer).generate(
         [ps[k] for k, _ in order], params, [n for _, n in order]
     )
@@ -104,12 +110,13 @@ def teacher_forced_gap(policy, tokenizer, ps, order, out, name, temperature, und
     return (logp - b.sampling_logps)[b.action_mask].abs().max().item()
 
 
-def test_sampled_rows_carry_the_logprobs_of_their_own_adapter(members, tiny_tokenizer):
+@pytest.mark.parametrize("grouped", [False, True], ids=["interleaved", "grouped"])
+def test_sampled_rows_carry_the_logprobs_of_their_own_adapter(members, tiny_tokenizer, grouped):
     """Sampling draws differ with the batch's make-up, so the check is the log-prob each sampled
     token has under its row's adapter alone (teacher-forced), which the engine must return."""
     torch.manual_seed(0)
     ps = prompts(tiny_tokenizer)
-    order = mixed_order(ps)
+    order = mixed_order(ps, grouped)
     params = SamplingParams(max_new_tokens=6, temperature=0.8, n=2)
     out = engine_of(members, tiny_tokenizer).generate(
         [ps[k] for k, _ in order], params, [n for _, n in order]
