@@ -255,7 +255,11 @@ class PopulationConfig:
     """Population training with evolution (``rlhf_lightning/population``); size 1 is off."""
 
     size: int = 1
-    # Training steps (all members together) between evolutions; default 50 x size; 0: never.
+    # Members side by side: every training step is one rollout for all members (one engine call,
+    # per-row adapters) and one update of each; false: members take turns, one per training step.
+    batched: bool = False
+    # Between evolutions: training steps (all members together; default 50 x size) round-robin,
+    # population steps (default 50) side by side; 0: never.
     evolve_every: int | None = None
     # accuracy_sampled | accuracy_greedy | return_sampled | return_greedy. Greedy fitness on short
     # horizons selected ever smaller learning rates (docs/guides/sweeps-population.md, "Population training").

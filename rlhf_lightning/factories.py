@@ -38,7 +38,9 @@ from rlhf_lightning.envs.harness import RolloutHarness
 from rlhf_lightning.models.build import build_policy, load_model, load_tokenizer
 from rlhf_lightning.models.policy import Policy
 from rlhf_lightning.population.callback import Population
+from rlhf_lightning.population.checks import default_evolve_every
 from rlhf_lightning.population.evolution import DEFAULT_SPACE, MutationRange
+from rlhf_lightning.population.side_by_side import SideBySidePopulation
 from rlhf_lightning.rewards import CombinedReward, build_reward
 from rlhf_lightning.rollout.callback import RolloutEngineCallback
 from rlhf_lightning.rollout.engine import SamplingParams
@@ -180,12 +182,15 @@ def training_reward(rw: DictConfig) -> CombinedReward | None:
     return build_reward(list(rw.sources), fns, weights, model_kwargs)
 
 
-def population_callback(p: DictConfig, output_dir: Path, seed: int) -> Population:
-    """The ``population`` config as a :class:`Population` callback."""
+def population_callback(p: DictConfig, output_dir: Path, seed: int) -> Population | SideBySidePopulation:
+    """The ``population`` config as a :class:`Population` callback (round-robin), or with
+    ``population.batched=true`` a :class:`SideBySidePopulation`."""
     space = {name: MutationRange(**dict(r)) for name, r in (p.mutate or DEFAULT_SPACE).items()}
-    return Population(
+    batched = bool(p.get("batched", False))
+    kind = SideBySidePopulation if batched else Population
+    return kind(
         p.size,
-        p.evolve_every if p.evolve_every is not None else 50 * p.size,
+        p.evolve_every if p.evolve_every is not None else default_evolve_every(p.size, batched),
         space,
         output_dir,
         fitness=p.fitness,

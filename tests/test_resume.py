@@ -29,7 +29,20 @@ ARGS = [
     "checkpoint.every_n_steps=2",
     "num_threads=1",
 ]
-ALGOS = {"grpo": [], "dapo": ["algo=dapo"], "ppo": ["algo=ppo"]}
+ALGOS = {
+    "grpo": [],
+    "dapo": ["algo=dapo"],
+    "ppo": ["algo=ppo"],
+    # members side by side: each member's adapter, optimizer, schedule and the evolution's state
+    "population_side_by_side": [
+        "population.size=2",
+        "population.batched=true",
+        "population.evolve_every=1",
+        "population.eval_rows=8",
+        "population.mutate_initial=true",
+        "population.no_mutation_prob=0",
+    ],
+}
 
 
 def command(*overrides: str) -> list[str]:

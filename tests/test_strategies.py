@@ -217,6 +217,23 @@ def test_torchrun_launches_the_ranks(tmp_path):
 
 
 @pytest.mark.slow
+def test_population_side_by_side_under_ddp_ranks_agree_on_members(tmp_path):
+    """Two ranks, members side by side: each rank runs every member's update in the same order;
+    after every evolution the ranks compare ids, hyper-parameters and member weights."""
+    out = tmp_path / "run"
+    train(
+        tmp_path, *DDP, "population.size=2", "population.batched=true", "population.evolve_every=1",
+        "population.eval_rows=8", "population.mutate_initial=true", "population.no_mutation_prob=0",
+        "trainer.max_steps=4", f"output_dir={out}",
+    )  # fmt: skip
+    lineage = list(csv.DictReader((out / "lineage.csv").open()))
+    assert [r["event"] for r in lineage] == ["init", "init", "elite", "clone", "elite", "clone"]
+    keys = set().union(*(r for r in metric_rows(out) if any(r.values())))
+    assert {"member_0/rollout/reward_mean", "member_1/rollout/reward_mean", "population/fitness_best"} <= keys
+    assert [r["step"] for r in metric_rows(out) if r.get("population/steps")] == ["2", "4"]
+
+
+@pytest.mark.slow
 def test_population_under_ddp_ranks_agree_on_selection(tmp_path):
     out = tmp_path / "run"
     train(

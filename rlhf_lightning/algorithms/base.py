@@ -14,10 +14,9 @@ is one :class:`~rlhf_lightning.algorithms.objective.Objective`; the rest lives h
 from __future__ import annotations
 
 import time
-from typing import Any, cast
+from typing import Any
 
 import torch
-from torch.optim.lr_scheduler import LRScheduler
 
 from rlhf_lightning.algorithms.async_rollout import AsyncRollouts, BatchSource
 from rlhf_lightning.algorithms.collector import Collector, actor_source
@@ -28,6 +27,7 @@ from rlhf_lightning.algorithms.liger_path import use_liger
 from rlhf_lightning.algorithms.objective import CriticTerm, MicroBatch, Objective, PolicyTerm
 from rlhf_lightning.algorithms.objective_build import build_objective
 from rlhf_lightning.algorithms.optimizer import adamw_with_schedule, total_optimizer_steps
+from rlhf_lightning.algorithms.population_step import PopulationStep
 from rlhf_lightning.algorithms.records import Advantages, Scored, UpdateInputs
 from rlhf_lightning.algorithms.scoring import Scorer, finalize_rewards
 from rlhf_lightning.algorithms.update_plan import UpdatePlan, no_grad_head
@@ -39,7 +39,7 @@ from rlhf_lightning.rollout.engine import RolloutEngine, SamplingParams
 from rlhf_lightning.rollout.hooks import RolloutHooks, hook_callbacks
 
 
-class RolloutModule(RolloutEvaluation):
+class RolloutModule(PopulationStep, RolloutEvaluation):
     """The rollout-algorithm skeleton (manual optimization).
 
     Args:
@@ -170,6 +170,8 @@ class RolloutModule(RolloutEvaluation):
 
     # ---------------------------------------------------------------- the training step
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        if self.members is not None:  # a population side by side: one rollout, each member's update
+            return self.population_step(batch)
         t_start = time.perf_counter()
         with gathered(self.policy):  # FSDP: full weights, so ranks generate independently
             # 1. Rollout: group_size episodes per prompt row, sampled from the current policy.
@@ -274,7 +276,7 @@ class RolloutModule(RolloutEvaluation):
     ) -> Metrics:
         """``update_epochs`` passes over the batch, one optimizer step per mini-batch. Every rank
         takes the same number of optimizer steps; micro-batch counts may differ freely."""
-        sched = cast(LRScheduler, self.lr_schedulers())
+        sched = self.current_scheduler()
         plan, n, mask = self.plan, len(traj), scored.mask
         step = UpdateInputs(
             traj, scored, old_logp, ref_logp, self.objective_for(scored), plan.row_lengths(traj)
@@ -372,11 +374,25 @@ class RolloutModule(RolloutEvaluation):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
         checkpoint["collector"] = self.collector.state_dict()
+        if self.members is not None:
+            checkpoint["members"] = self.member_checkpoint()
+
+    def checkpoint_keys(self) -> set[str]:
+        keys = super().checkpoint_keys()
+        return keys | self.member_checkpoint_keys() if self.members is not None else keys
+
+    def maybe_update_reference(self) -> None:
+        if self.members is not None:  # each member's own reference, on its own count
+            self.refresh_member_reference()
+        else:
+            super().maybe_update_reference()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
-        steps = checkpoint.get("global_step", 0) // max(self.plan.optimizer_steps_per_batch(), 1)
+        steps = checkpoint.get("global_step", 0) // max(self.steps_per_batch(), 1)
         self.collector.load_state_dict(checkpoint.get("collector", {}), steps)
+        if self.members is not None and "members" in checkpoint:
+            self.load_member_checkpoint(checkpoint["members"])
 
     def close(self) -> None:
         """Stop the rollout producer (``rollout.mode=async``); the run calls this at its end."""
@@ -387,7 +403,15 @@ class RolloutModule(RolloutEvaluation):
 
     # ---------------------------------------------------------------- optimisation
     def configure_optimizers(self) -> Any:
+        if self.members is not None:  # one optimizer and schedule per member, over its own steps
+            self.check_population_steps()
+            return self.member_optimizers(max(self.total_optimizer_steps() // self.members.size, 1))
         return adamw_with_schedule(self.policy.trainable_parameters(), self.hp, self.total_optimizer_steps())
 
+    def steps_per_batch(self) -> int:
+        """Optimizer steps one training step takes: every member's with a population side by side."""
+        per = self.plan.optimizer_steps_per_batch()
+        return per * (self.members.size if self.members is not None else 1)
+
     def total_optimizer_steps(self) -> int:
-        return total_optimizer_steps(self._trainer, self.plan.optimizer_steps_per_batch())
+        return total_optimizer_steps(self._trainer, self.steps_per_batch())

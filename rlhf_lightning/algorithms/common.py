@@ -113,8 +113,7 @@ class ModuleMixin(L.LightningModule):
         Clipping runs in :meth:`on_before_optimizer_step`, which Lightning calls inside
         ``step()`` after mixed precision has unscaled the gradients.
         """
-        opt = cast(LightningOptimizer, self.optimizers())
-        sched = cast(LRScheduler, self.lr_schedulers())
+        opt, sched = self.current_optimizer(), self.current_scheduler()
         self._grad_metrics = {}
         sync_gradients(self.policy.trainable_parameters(), self.world_size)  # one collective per step
         opt.step()
@@ -122,6 +121,20 @@ class ModuleMixin(L.LightningModule):
         sched.step()
         self.maybe_update_reference()
         return self._grad_metrics
+
+    def optimizer_index(self) -> int | None:
+        """Which of several optimizers steps now (a population's member); None: the only one."""
+        return None
+
+    def current_optimizer(self) -> LightningOptimizer:
+        opts = self.optimizers()
+        i = self.optimizer_index()
+        return cast(LightningOptimizer, opts[i] if isinstance(opts, list) and i is not None else opts)
+
+    def current_scheduler(self) -> LRScheduler:
+        scheds = self.lr_schedulers()
+        i = self.optimizer_index()
+        return cast(LRScheduler, scheds[i] if isinstance(scheds, list) and i is not None else scheds)
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         self._grad_metrics = self.clip_gradients_(optimizer)

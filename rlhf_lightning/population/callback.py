@@ -44,6 +44,30 @@ __all__ = ["FITNESS", "KEEP_SNAPSHOTS", "LINEAGE_FIELDS", "MEMBER_COUNTERS", "Me
 FITNESS = ("accuracy_sampled", "accuracy_greedy", "return_sampled", "return_greedy")
 
 
+def check_settings(
+    size: int,
+    evolve_every: int,
+    space: dict[str, MutationRange],
+    fitness: str,
+    keep_snapshots: int,
+    every_multiple_of_size: bool = True,
+) -> None:
+    """The population's own settings (a population callback's constructor checks them)."""
+    if size < 2:
+        raise ValueError(f"population.size must be at least 2, got {size}")
+    if evolve_every < 0 or (every_multiple_of_size and evolve_every and evolve_every % size):
+        raise ValueError(
+            f"population.evolve_every={evolve_every}: a multiple of population.size={size}, or 0"
+        )
+    if fitness not in FITNESS:
+        raise ValueError(f"population.fitness={fitness!r}: one of {', '.join(FITNESS)}")
+    unknown = sorted(set(space) - set(MUTABLE))
+    if unknown:
+        raise ValueError(f"population.mutate: unknown hyper-parameters {unknown}; choose among {MUTABLE}")
+    if keep_snapshots < 1:
+        raise ValueError(f"population.keep_snapshots must be at least 1, got {keep_snapshots}")
+
+
 class Population(ResidentMember, Generations, L.Callback):
     """Args:
     size: members.
@@ -75,19 +99,7 @@ class Population(ResidentMember, Generations, L.Callback):
         seed: int = 0,
         keep_snapshots: int = KEEP_SNAPSHOTS,
     ) -> None:
-        if size < 2:
-            raise ValueError(f"population.size must be at least 2, got {size}")
-        if evolve_every < 0 or (evolve_every and evolve_every % size):
-            raise ValueError(
-                f"population.evolve_every={evolve_every}: a multiple of population.size={size}, or 0"
-            )
-        if fitness not in FITNESS:
-            raise ValueError(f"population.fitness={fitness!r}: one of {', '.join(FITNESS)}")
-        unknown = sorted(set(space) - set(MUTABLE))
-        if unknown:
-            raise ValueError(f"population.mutate: unknown hyper-parameters {unknown}; choose among {MUTABLE}")
-        if keep_snapshots < 1:
-            raise ValueError(f"population.keep_snapshots must be at least 1, got {keep_snapshots}")
+        check_settings(size, evolve_every, space, fitness, keep_snapshots)
         self.size, self.evolve_every, self.space = size, evolve_every, dict(space)
         self.fitness_name, self.eval_rows = fitness, eval_rows
         self.tournament_size, self.elitism, self.no_mutation_prob = tournament_size, elitism, no_mutation_prob

@@ -203,13 +203,20 @@ def validate_population(p: DictConfig, spec: Any, cfg: DictConfig) -> None:
         f"ddp with population.size={p.size} (members are swapped in and out of the policy's weights, "
         "which FSDP shards; the run would hang at the end): use strategy=ddp, or population.size=1",
     )
-    every = p.evolve_every if p.evolve_every is not None else 50 * p.size
-    check(
-        every >= 0 and every % p.size == 0,
-        "population.evolve_every",
-        every,
-        f"a multiple of population.size={p.size} (every member trains as often), or 0 (never evolve)",
-    )
+    batched = bool(p.get("batched", False))
+    every = default_evolve_every(p.size, batched) if p.evolve_every is None else p.evolve_every
+    if batched:
+        check(
+            every >= 0, "population.evolve_every", every, "population steps between evolutions, or 0 (never)"
+        )
+        validate_side_by_side(p.size, cfg)
+    else:
+        check(
+            every >= 0 and every % p.size == 0,
+            "population.evolve_every",
+            every,
+            f"a multiple of population.size={p.size} (every member trains as often), or 0 (never evolve)",
+        )
     check(p.fitness in FITNESS, "population.fitness", p.fitness, f"one of {', '.join(FITNESS)}")
     check(p.eval_rows > 0, "population.eval_rows", p.eval_rows, "> 0")
     check(p.tournament_size >= 1, "population.tournament_size", p.tournament_size, ">= 1")
@@ -234,3 +241,33 @@ def validate_population(p: DictConfig, spec: Any, cfg: DictConfig) -> None:
         check(ok, f"population.mutate.{name}", r, "{low, high, scale} with 0 <= low <= high and scale > 1")
     algo = cast(dict[str, Any], OmegaConf.to_container(cfg.algo, resolve=True))
     validate_space(mutate, algo, cfg.model.finetune, configured_world_size(cfg))
+
+
+def default_evolve_every(size: int, batched: bool) -> int:
+    """50 updates of each member: population steps side by side, training steps round-robin."""
+    return 50 if batched else 50 * size
+
+
+def validate_side_by_side(size: int, cfg: DictConfig) -> None:
+    """What members side by side (``population.batched=true``) cover so far."""
+    where = f"population.batched=true (population.size={size})"
+    check(
+        cfg.model.finetune == "lora",
+        "model.finetune",
+        cfg.model.finetune,
+        f"lora with {where}: members are LoRA adapters on one frozen base; set population.batched=false "
+        "for full fine-tuning",
+    )
+    check(
+        cfg.algo.get("module") != "ppo",
+        "algo",
+        cfg.algo.get("name"),
+        f"a critic-free algorithm with {where} (PPO's critic per member is not built yet); set "
+        "population.batched=false",
+    )
+    check(
+        not cfg.algo.get("dynamic_sampling", False),
+        "algo.dynamic_sampling",
+        cfg.algo.get("dynamic_sampling"),
+        f"false with {where} (refills per member are not built yet); set population.batched=false",
+    )

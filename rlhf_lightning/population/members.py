@@ -24,9 +24,10 @@ class Member:
 
     id: int
     hparams: dict[str, float]
-    weights: list[torch.Tensor]
-    optimizer: dict[str, Any]
-    scheduler: dict[str, Any]
+    # Round-robin populations only; members side by side keep these on the module.
+    weights: list[torch.Tensor] = field(default_factory=list)
+    optimizer: dict[str, Any] = field(default_factory=dict)
+    scheduler: dict[str, Any] = field(default_factory=dict)
     parent: int | None = None
     fitness: float | None = None
     reference: list[torch.Tensor] = field(default_factory=list)

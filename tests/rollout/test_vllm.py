@@ -268,3 +268,30 @@ def test_population_members_take_turns_on_one_engine(tmp_path):
     # A step whose rewards are all equal has no tokens in the loss, hence no gap to measure.
     gaps = [float(r["is/gap_mean"]) for r in rows if r.get("is/gap_mean")]
     assert len(gaps) >= 2 and max(gaps) < 1e-3
+
+
+def test_population_side_by_side_samples_every_member_in_one_engine(tmp_path):
+    """population.batched=true on vLLM: every member in a LoRA slot of its own, synced after its
+    update; each member's engine log-probs match the trainer's for that member, across steps and
+    the evolutions (which copy parents into slots)."""
+    import csv
+
+    from rlhf_lightning.run import run
+
+    out = tmp_path / "run"
+    cfg = compose_config(
+        [*FAST, "rollout=vllm", "algo.lr=1e-2", "population.size=2", "population.batched=true",
+         "population.evolve_every=1", "population.eval_rows=8", "population.mutate_initial=true",
+         "trainer.max_steps=6", "checkpoint.every_n_steps=0", "eval.before_training=false",
+         "eval.at_end=false", "trainer.val_check_interval=100"],
+        output_dir=out,
+    )  # fmt: skip
+    run(cfg)
+    rows = list(csv.DictReader((out / "metrics.csv").open()))
+    gaps = {
+        k: [float(r[f"member_{k}/is/gap_mean"]) for r in rows if r.get(f"member_{k}/is/gap_mean")]
+        for k in (0, 1)
+    }
+    # A member's step whose rewards were all equal has no tokens in the loss, hence no gap.
+    assert all(gaps.values()) and sum(map(len, gaps.values())) >= 3, gaps
+    assert max(max(g) for g in gaps.values()) < 1e-3, gaps
