@@ -6,7 +6,9 @@ Two arms on the default arithmetic task (tiny model, GRPO, 16 prompts x 8 per st
 starting from ``--init-lr`` (deliberately poor) over the same space, lr in [1e-5, 1e-2]:
 
 - **population**: one run of ``--members`` LoRA members on one base, all at ``--init-lr``,
-  evolved every ``--evolve-every`` steps (fitness: accuracy by ``--metric``, greedy by default,
+  side by side (``population.batched=true``: one rollout for all members and an update of each
+  per training step; ``--round-robin``: one member per training step), evolved every
+  ``--evolve-every`` member updates of each member x members (fitness: accuracy by ``--metric``, greedy by default,
   on the first ``--eval-rows`` held-out problems; tournament selection with elitism; lr mutated x2 or /2). Steps to target:
   the global step (all members together) of the first evolution whose best fitness reaches
   ``--target``.
@@ -16,8 +18,10 @@ starting from ``--init-lr`` (deliberately poor) over the same space, lr in [1e-5
   first evaluation that reaches ``--target``.
 
 Each (arm, seed) runs in its own process, ``--parallel`` at a time with one thread each; the
-result is a markdown table (and ``--json``, ``--plot``). Both arms get the same budget of global
-steps: ``--budget`` for the population, ``--max-trials x --trial-steps`` for the search.
+result is a markdown table (and ``--json``, ``--plot``): member updates (optimizer steps of all
+members or trials together) and wall time to the target, model loading included. Both arms get
+the same budget of member updates: ``--budget`` for the population, ``--max-trials x
+--trial-steps`` for the search.
 """
 
 from __future__ import annotations
@@ -76,6 +80,24 @@ def rows(path: Path) -> list[dict[str, str]]:
     return list(csv.DictReader(path.open())) if path.is_file() else []
 
 
+def clock(t0: float) -> Any:
+    """A callback keeping the wall time since ``t0`` at the end of every training step and every
+    evaluation, by global step (member updates)."""
+    import lightning as L
+
+    class Clock(L.Callback):
+        def __init__(self) -> None:
+            self.at: dict[int, float] = {}
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
+            self.at[trainer.global_step] = time.time() - t0
+
+        def on_validation_end(self, trainer, pl_module):  # type: ignore[no-untyped-def]
+            self.at[trainer.global_step] = time.time() - t0
+
+    return Clock()
+
+
 def population_arm(args: argparse.Namespace, seed: int, out: Path) -> dict[str, Any]:
     import lightning as L
 
@@ -93,7 +115,9 @@ def population_arm(args: argparse.Namespace, seed: int, out: Path) -> dict[str, 
             *overrides(args, seed, out),
             f"algo.lr={args.init_lr}",
             f"population.size={args.members}",
-            f"population.evolve_every={args.evolve_every}",
+            f"population.batched={not args.round_robin}",
+            # member updates between evolutions the same either way: population steps side by side
+            f"population.evolve_every={args.evolve_every if args.round_robin else args.evolve_every // args.members}",
             f"population.fitness=accuracy_{args.metric}",
             f"population.eval_rows={args.eval_rows}",
             f"population.mutate={space}",
@@ -102,15 +126,18 @@ def population_arm(args: argparse.Namespace, seed: int, out: Path) -> dict[str, 
         ]
     )
     t0 = time.time()
-    run(cfg, extra_callbacks=[StopAtTarget()])
+    clk = clock(t0)
+    run(cfg, extra_callbacks=[StopAtTarget(), clk])
     curve = [
         (int(r["step"]), float(r["population/fitness_best"]), float(r["population/best_lr"]))
         for r in rows(out / "metrics.csv")
         if r.get("population/fitness_best")
     ]
     reached = next((s for s, f, _ in curve if f >= args.target), None)
+    wall_to_target = clk.at.get(reached) if reached is not None else None
     return {"arm": "population", "seed": seed, "steps_to_target": reached, "steps_run": curve[-1][0] if curve else 0,
-            "wall_s": time.time() - t0, "curve": curve, "lineage": rows(out / "lineage.csv")}  # fmt: skip
+            "wall_s": time.time() - t0, "wall_to_target_s": wall_to_target, "curve": curve,
+            "times": [clk.at.get(s) for s, _, _ in curve], "lineage": rows(out / "lineage.csv")}  # fmt: skip
 
 
 def optuna_arm(args: argparse.Namespace, seed: int, out: Path) -> dict[str, Any]:
@@ -121,7 +148,7 @@ def optuna_arm(args: argparse.Namespace, seed: int, out: Path) -> dict[str, Any]
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=seed))
     study.enqueue_trial({"lr": args.init_lr})
-    spent, reached, trials = 0, None, []
+    spent, reached, trials, wall_to_target = 0, None, [], None
     t0 = time.time()
     for i in range(args.max_trials):
         trial = study.ask()
@@ -135,18 +162,19 @@ def optuna_arm(args: argparse.Namespace, seed: int, out: Path) -> dict[str, Any]
                 f"trainer.val_check_interval={args.eval_every}",
             ]
         )
-        run(cfg)
+        clk = clock(t0)
+        run(cfg, extra_callbacks=[clk])
         key = f"eval/accuracy_{args.metric}"
         curve = [(int(r["step"]), float(r[key])) for r in rows(trial_dir / "metrics.csv") if r.get(key)]
         hit = next((s for s, a in curve if a >= args.target), None)
-        trials.append({"lr": lr, "curve": curve, "hit": hit})
+        trials.append({"lr": lr, "curve": curve, "hit": hit, "times": [clk.at.get(s) for s, _ in curve]})
         if hit is not None:
-            reached = spent + hit
+            reached, wall_to_target = spent + hit, clk.at.get(hit)
             break
         spent += args.trial_steps
         study.tell(trial, curve[-1][1] if curve else 0.0)
     return {"arm": "optuna", "seed": seed, "steps_to_target": reached, "steps_run": spent + (trials[-1]["hit"] or 0),
-            "wall_s": time.time() - t0, "trials": trials}  # fmt: skip
+            "wall_s": time.time() - t0, "wall_to_target_s": wall_to_target, "trials": trials}  # fmt: skip
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -166,6 +194,7 @@ def main() -> None:
         "--init-lr", type=float, default=1e-4, help="the poor starting lr (the tuned one is 1e-3)"
     )
     ap.add_argument("--members", type=int, default=4)
+    ap.add_argument("--round-robin", action="store_true", help="one member per training step (the old way)")
     ap.add_argument("--evolve-every", type=int, default=40)
     ap.add_argument("--budget", type=int, default=2800, help="population: global steps at most")
     ap.add_argument("--trial-steps", type=int, default=700)
@@ -207,8 +236,8 @@ def report(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
     print(
         f"target: held-out {args.metric} accuracy >= {args.target} on {args.eval_rows} problems; start lr {args.init_lr}"
     )
-    print("| arm | seed | steps to target | wall s | how |")
-    print("|---|---|---|---|---|")
+    print("| arm | seed | member updates to target | wall s to target | wall s run | how |")
+    print("|---|---|---|---|---|---|")
     for r in results:
         if r["arm"] == "population":
             lrs = sorted({float(x["lr"]) for x in r["lineage"] if x["lr"]})
@@ -220,12 +249,29 @@ def report(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
         steps = (
             r["steps_to_target"] if r["steps_to_target"] is not None else f"not reached in {r['steps_run']}"
         )
-        print(f"| {r['arm']} | {r['seed']} | {steps} | {r['wall_s']:.0f} | {how} |")
+        wall = r.get("wall_to_target_s")
+        shown = f"{wall:.0f}" if wall is not None else "not reached"
+        print(f"| {r['arm']} | {r['seed']} | {steps} | {shown} | {r['wall_s']:.0f} | {how} |")
     for arm in args.arms:
-        got = [r["steps_to_target"] for r in results if r["arm"] == arm]
-        done = [g for g in got if g is not None]
+        got = [r for r in results if r["arm"] == arm]
+        done = [r["steps_to_target"] for r in got if r["steps_to_target"] is not None]
+        walls = [r["wall_to_target_s"] for r in got if r.get("wall_to_target_s") is not None]
         mean = sum(done) / len(done) if done else math.nan
-        print(f"{arm}: reached in {len(done)}/{len(got)} seeds, mean steps {mean:.0f}")
+        mean_wall = sum(walls) / len(walls) if walls else math.nan
+        print(
+            f"{arm}: reached in {len(done)}/{len(got)} seeds, mean member updates {mean:.0f}, mean wall s {mean_wall:.0f}"
+        )
+    by_seed = {(r["arm"], r["seed"]): r.get("wall_to_target_s") for r in results}
+    if set(args.arms) == {"population", "optuna"}:
+        wins = sum(
+            1
+            for s in args.seeds
+            if by_seed.get(("population", s)) is not None
+            and (by_seed.get(("optuna", s)) is None or by_seed[("population", s)] < by_seed[("optuna", s)])
+        )
+        print(
+            f"evolution reached the target in less wall time than the search on {wins} of {len(args.seeds)} seeds"
+        )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=1))
@@ -239,23 +285,36 @@ def plot(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for r in results:
-        if r["arm"] == "population":
-            xs, ys = [c[0] for c in r["curve"]], [c[1] for c in r["curve"]]
-            ax.plot(xs, ys, color="C0", marker="o", ms=3, label=f"population seed {r['seed']}")
+        pop = r["arm"] == "population"
+        if pop:
+            xs, ys, ts = [c[0] for c in r["curve"]], [c[1] for c in r["curve"]], r.get("times", [])
         else:
-            xs, ys, spent = [], [], 0
+            xs, ys, ts, spent = [], [], [], 0
             for t in r["trials"]:
                 xs += [spent + s for s, _ in t["curve"]]
                 ys += [a for _, a in t["curve"]]
+                ts += t.get("times", [])
                 spent += args.trial_steps
-            ax.plot(xs, ys, color="C1", ls="--", marker=".", ms=3, label=f"optuna seed {r['seed']}")
-    ax.axhline(args.target, color="grey", lw=0.8)
-    ax.set(xlabel="training steps, all runs / members together", ylabel=f"held-out {args.metric} accuracy (best member)",
-           title=f"from lr {args.init_lr:g}: evolution vs Optuna", ylim=(0, 1))  # fmt: skip
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+        style = (
+            {"color": "C0", "marker": "o", "ms": 3}
+            if pop
+            else {"color": "C1", "ls": "--", "marker": ".", "ms": 3}
+        )
+        label = f"{'population' if pop else 'optuna'} seed {r['seed']}"
+        axes[0].plot(xs, ys, label=label, **style)
+        if ts and all(t is not None for t in ts):
+            axes[1].plot(ts, ys, label=label, **style)
+    for ax, xlabel in zip(axes, ("member updates (all members / trials together)", "wall time, s")):
+        ax.axhline(args.target, color="grey", lw=0.8)
+        ax.set(xlabel=xlabel, ylim=(0, 1))
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel(f"held-out {args.metric} accuracy (best member)")
+    axes[0].legend(fontsize=7, ncol=2)
+    fig.suptitle(
+        f"from lr {args.init_lr:g}: evolution ({'round-robin' if args.round_robin else 'side by side'}) vs Optuna"
+    )
     fig.tight_layout()
     args.plot.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.plot, dpi=120)

@@ -87,8 +87,11 @@ def test_population_benchmark_runs_both_arms_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "| population | 0 | not reached in 8 |" in proc.stdout
     assert "| optuna | 0 | not reached in 8 |" in proc.stdout
+    assert "less wall time than the search on 0 of 1 seeds" in proc.stdout
     results = json.loads((tmp_path / "r.json").read_text())
     population = next(r for r in results if r["arm"] == "population")
-    assert [c[0] for c in population["curve"]] == [4, 8]  # an evolution every 4 global steps
+    # side by side: an evolution every 2 population steps = 4 member updates, each timed
+    assert [c[0] for c in population["curve"]] == [4, 8]
+    assert len(population["times"]) == 2 and 0 < population["times"][0] < population["times"][1]
     assert len(next(r for r in results if r["arm"] == "optuna")["trials"]) == 2
     assert (tmp_path / "p.png").stat().st_size > 0
