@@ -406,7 +406,11 @@ class RolloutModule(PopulationStep, RolloutEvaluation):
         if self.members is not None:  # one optimizer and schedule per member, over its own steps
             self.check_population_steps()
             return self.member_optimizers(max(self.total_optimizer_steps() // self.members.size, 1))
-        return adamw_with_schedule(self.policy.trainable_parameters(), self.hp, self.total_optimizer_steps())
+        return adamw_with_schedule(self.param_groups(self.hp), self.hp, self.total_optimizer_steps())
+
+    def param_groups(self, hp: Any) -> list[dict[str, Any]]:
+        """The optimizer's parameter groups under config ``hp`` (a group may set its own ``lr``)."""
+        return [{"params": self.policy.trainable_parameters()}]
 
     def steps_per_batch(self) -> int:
         """Optimizer steps one training step takes: every member's with a population side by side."""

@@ -1,9 +1,10 @@
 """A population's members side by side on one frozen base, owned by the module.
 
 Member ``k`` is the named LoRA adapter ``member_k`` (its actor; with a moving reference also
-``member_k_ref``), its own AdamW and schedule (Lightning's optimizer and scheduler ``k``) and its
+``member_k_ref``; PPO's critic ``member_k_critic`` and a value head of its own), its own AdamW and schedule (Lightning's optimizer and scheduler ``k``) and its
 own hyper-parameters. The engines sample every member's adapter in one call; each member then
-updates on its own rows in the trainable slots (the ``actor`` adapter, and ``reference``), where
+updates on its own rows in the trainable slots (the ``actor`` adapter, ``reference``, ``critic``
+and the value head), where
 :meth:`MemberAPI.use_member` copies its adapters in and, after its update, back out (a LoRA
 adapter's weights: a few megabytes at most). Nothing outside the module writes its attributes:
 the population callback calls :class:`MemberAPI`'s methods (scoring, cloning, mutation).
@@ -32,6 +33,10 @@ def member_adapter(k: int) -> str:
 
 def member_reference(k: int) -> str:
     return f"member_{k}_ref"
+
+
+def member_critic(k: int) -> str:
+    return f"member_{k}_critic"
 
 
 # (hyper-parameters, the algorithm's config values, world size, member id) -> raises if invalid
@@ -71,12 +76,14 @@ class MemberAPI:
     objective: Any
     world_size: int
     members: MemberBank | None = None
+    member_value_heads: torch.nn.ModuleList
     _check_member: MemberCheck
 
     # ---------------------------------------------------------------- set-up
     def enable_members(self, hparams: list[dict[str, float]], check: MemberCheck) -> None:
-        """Add one adapter per member on the base, each a copy of the actor as it is now (and of
-        the reference, when it moves); the members' optimizers come from
+        """Add one adapter set per member on the base, each a copy of the trainable slots as they
+        are now (the actor; the reference when it moves; PPO's critic and value head); the
+        members' optimizers come from
         :meth:`member_optimizers`. Only LoRA policies: members share the frozen base.
 
         ``check(hparams, algo, world_size, member_id)`` raises on a value that could not train
@@ -86,17 +93,19 @@ class MemberAPI:
         if not isinstance(model, PeftModel) or self.policy.adapter_name is None:
             raise ValueError("members side by side need a LoRA policy (model.finetune=lora)")
         own_ref = bool(getattr(self.hp, "ref_update_interval", None))
+        self.members = MemberBank([dict(h) for h in hparams], own_ref)
         for k in range(len(hparams)):
-            for name, src in ((member_adapter(k), self.policy.adapter_name), (member_reference(k), None)):
-                if src is None and not own_ref:
-                    continue
-                src = src or cast(str, self.policy.reference_adapter)
+            for name, src in self._slots(k):
                 if name not in model.peft_config:
                     with torch.random.fork_rng(devices=[]):  # its init draws nothing from training's streams
                         model.add_adapter(name, model.peft_config[src])
                 with torch.no_grad():
                     copy_adapter(model, src, name)
         model.set_adapter(self.policy.adapter_name)  # add_adapter may move the active one
+        head = self.policy.value_head
+        if head is not None:  # PPO: each member's value head beside its critic adapter
+            self.member_value_heads = torch.nn.ModuleList(copy.deepcopy(head) for _ in hparams)
+            self.member_value_heads.requires_grad_(False)
         for n, p in self.policy.named_parameters():  # members train only in the trainable slots
             if ".member_" in n:
                 p.requires_grad_(False)
@@ -104,7 +113,6 @@ class MemberAPI:
         self._base_sampling = self.sampling
         self._check_member = check
         self._objectives: dict[tuple[Any, ...], Any] = {}
-        self.members = MemberBank([dict(h) for h in hparams], own_ref)
         for k, h in enumerate(hparams):
             self.check_member_hparams(h, k)
 
@@ -112,12 +120,11 @@ class MemberAPI:
         """One AdamW and schedule per member over the trainable slots (each holds its member's
         moments); each schedule spans ``total_steps`` (its member's own optimizer steps)."""
         bank = cast(MemberBank, self.members)
-        params = self.policy.trainable_parameters()
-        out = []
-        for k in range(bank.size):
-            hp = self.member_hp(k)
-            out.append(adamw_with_schedule(params, hp, total_steps))
-        return out
+        module = cast(Any, self)
+        return [
+            adamw_with_schedule(module.param_groups(self.member_hp(k)), self.member_hp(k), total_steps)
+            for k in range(bank.size)
+        ]
 
     def check_population_steps(self) -> None:
         """``trainer.max_steps`` counts member updates (optimizer steps): a whole number of
@@ -134,8 +141,12 @@ class MemberAPI:
             )
 
     def member_checkpoint_keys(self) -> set[str]:
-        """The members' adapters, for the checkpoint (beside the trainable slots)."""
-        return {f"policy.{n}" for n, _ in self.policy.named_parameters() if ".member_" in n}
+        """The members' adapters (and value heads), for the checkpoint (beside the trainable slots)."""
+        keys = {f"policy.{n}" for n, _ in self.policy.named_parameters() if ".member_" in n}
+        heads = getattr(self, "member_value_heads", None)
+        return keys | (
+            {f"member_value_heads.{n}" for n, _ in heads.named_parameters()} if heads is not None else set()
+        )
 
     # ---------------------------------------------------------------- hyper-parameters
     def member_hp(self, k: int) -> Any:
@@ -161,9 +172,10 @@ class MemberAPI:
         bank = cast(MemberBank, self.members)
         bank.hparams[k] = dict(hparams)
         opt, sched = self.member_optimizer(k), self.member_scheduler(k)
-        lr = self.member_hp(k).lr
-        sched.base_lrs = [lr] * len(opt.param_groups)
-        for group, fn in zip(opt.param_groups, sched.lr_lambdas):
+        hp = self.member_hp(k)
+        lrs = [group.get("lr", hp.lr) for group in cast(Any, self).param_groups(hp)]
+        sched.base_lrs = list(lrs)
+        for group, lr, fn in zip(opt.param_groups, lrs, sched.lr_lambdas):
             group["initial_lr"] = lr
             group["lr"] = lr * fn(sched.last_epoch)
 
@@ -195,14 +207,19 @@ class MemberAPI:
                     if f".{member}." in n:
                         mine.append(p)
                         slots.append(params[n.replace(f".{member}.", f".{slot}.")])
+            if self.policy.value_head is not None:
+                mine += list(self.member_value_heads[k].parameters())
+                slots += list(self.policy.value_head.parameters())
             cache[k] = (mine, slots)
         return cache[k]
 
     def _slots(self, k: int) -> list[tuple[str, str]]:
-        """(member's adapter, trainable slot) pairs of member ``k``."""
+        """(member's adapter, trainable slot) pairs of member ``k``: actor, own reference, critic."""
         pairs = [(member_adapter(k), cast(str, self.policy.adapter_name))]
         if cast(MemberBank, self.members).own_reference:
             pairs.append((member_reference(k), cast(str, self.policy.reference_adapter)))
+        if self.policy.critic_adapter is not None:
+            pairs.append((member_critic(k), cast(str, self.policy.critic_adapter)))
         return pairs
 
     @contextmanager
@@ -232,6 +249,9 @@ class MemberAPI:
         with torch.no_grad():
             torch._foreach_copy_(slots, mine)
         bank.active = k
+        engine = getattr(self, "engine", None)
+        if engine is not None:  # vLLM's actor slot syncs again before it samples
+            engine.invalidate()
 
     def refresh_member_reference(self) -> None:
         """The active member's reference follows its actor every ``ref_update_interval`` of its
@@ -251,6 +271,8 @@ class MemberAPI:
             for i, (member, _) in enumerate(self._slots(k)):
                 if f".{member}." in n:
                     out[f"{i}:{n.replace(f'.{member}.', '.{}.')}"] = p
+        if self.policy.value_head is not None:
+            out.update({f"value_head:{n}": p for n, p in self.member_value_heads[k].named_parameters()})
         return out
 
     def member_state(self, k: int) -> dict[str, Any]:

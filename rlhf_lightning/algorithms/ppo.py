@@ -20,7 +20,6 @@ from rlhf_lightning.algorithms.critic import (
 )
 from rlhf_lightning.algorithms.diagnostics import per_turn_means
 from rlhf_lightning.algorithms.objective import CriticTerm, Objective, PolicyObjective, PolicyTerm
-from rlhf_lightning.algorithms.optimizer import adamw_with_schedule
 from rlhf_lightning.algorithms.records import Advantages, CriticTargets, Scored
 from rlhf_lightning.algorithms.spec import AlgorithmSpec, register_algorithm
 from rlhf_lightning.config import PPOConfig
@@ -184,12 +183,12 @@ class PPOModule(RolloutModule):
         super().training_step(batch, batch_idx)
         self.learn_steps += 1
 
-    def configure_optimizers(self) -> Any:
-        groups = [
+    def param_groups(self, hp: Any) -> list[dict[str, Any]]:
+        """The actor, and the critic at ``lr_critic`` (``lr`` when unset)."""
+        return [
             {"params": self.policy.trainable_parameters("actor")},
-            {"params": self.policy.trainable_parameters("critic"), "lr": self.hp.lr_critic or self.hp.lr},
+            {"params": self.policy.trainable_parameters("critic"), "lr": hp.lr_critic or hp.lr},
         ]
-        return adamw_with_schedule(groups, self.hp, self.total_optimizer_steps())
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)

@@ -259,13 +259,6 @@ def validate_side_by_side(size: int, cfg: DictConfig) -> None:
         "for full fine-tuning",
     )
     check(
-        cfg.algo.get("module") != "ppo",
-        "algo",
-        cfg.algo.get("name"),
-        f"a critic-free algorithm with {where} (PPO's critic per member is not built yet); set "
-        "population.batched=false",
-    )
-    check(
         not cfg.algo.get("dynamic_sampling", False),
         "algo.dynamic_sampling",
         cfg.algo.get("dynamic_sampling"),

@@ -40,12 +40,18 @@ def population_of(result) -> SideBySidePopulation:
 
 
 def actor_as_member_weights(module) -> dict[str, torch.Tensor]:
-    """A single run's actor keyed like :meth:`MemberAPI.member_state`'s weights."""
-    return {
-        f"0:{n.replace('.actor.', '.{}.')}": p.detach().clone()
-        for n, p in module.policy.model.named_parameters()
-        if ".actor." in n
-    }
+    """A single run's trainable slots keyed like :meth:`MemberAPI.member_state`'s weights (the
+    actor, PPO's critic as slot 1 and its value head)."""
+    out = {}
+    for i, slot in enumerate(("actor", "critic")):
+        for n, p in module.policy.model.named_parameters():
+            if f".{slot}." in n:
+                out[f"{i}:{n.replace(f'.{slot}.', '.{}.')}"] = p.detach().clone()
+    if module.policy.value_head is not None:
+        out.update(
+            {f"value_head:{n}": p.detach().clone() for n, p in module.policy.value_head.named_parameters()}
+        )
+    return out
 
 
 def seeded_rollout(module, rows, k_or_none):
@@ -61,9 +67,11 @@ def seeded_rollout(module, rows, k_or_none):
 
 
 @pytest.mark.slow
-def test_each_member_updates_exactly_as_a_single_run_with_its_hyper_parameters(tmp_path, monkeypatch):
+@pytest.mark.parametrize("algo", [[], ["algo=ppo", "algo.critic_warmup_steps=1"]], ids=["grpo", "ppo"])
+def test_each_member_updates_exactly_as_a_single_run_with_its_hyper_parameters(tmp_path, monkeypatch, algo):
     """Two population steps, each member given the same episodes a single run with its learning
-    rate gets: every member's adapter ends bit for bit where that run's actor ends."""
+    rate gets: every member's adapters (PPO: and value head) end bit for bit where that run's
+    trainable slots end."""
 
     def member_rollouts(self, rows, evaluation=False, temperature=None):
         return {name: seeded_rollout(self, rows, k) for k, name in enumerate(self.members.adapters)}
@@ -74,7 +82,7 @@ def test_each_member_updates_exactly_as_a_single_run_with_its_hyper_parameters(t
     monkeypatch.setattr(PopulationStep, "member_rollouts", member_rollouts)
     monkeypatch.setattr(RolloutModule, "training_rollout", training_rollout)
     cfg = compose_config(
-        [*POP, "population.evolve_every=0", "trainer.max_steps=4"], output_dir=tmp_path / "p"
+        [*POP, *algo, "population.evolve_every=0", "trainer.max_steps=4"], output_dir=tmp_path / "p"
     )
     pop = run(cfg).module
     assert pop.global_step == 4 and pop.members.size == 2
@@ -82,7 +90,7 @@ def test_each_member_updates_exactly_as_a_single_run_with_its_hyper_parameters(t
     assert lrs[0] == 0.001 and lrs[1] in (0.002, 0.0005)  # member 1 mutated once at the start
     for k, lr in enumerate(lrs):
         single = compose_config(
-            [*FAST, f"algo.lr={lr}", "trainer.max_steps=2", "trainer.val_check_interval=100",
+            [*FAST, *algo, f"algo.lr={lr}", "trainer.max_steps=2", "trainer.val_check_interval=100",
              "eval.before_training=false", "eval.at_end=false", "checkpoint.every_n_steps=0"],
             output_dir=tmp_path / f"single_{k}",
         )  # fmt: skip
@@ -178,8 +186,9 @@ def test_evolution_clones_the_parent_exactly_into_its_slot(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_checkpoint_resumes_the_population_exactly(tmp_path):
-    common = [*POP, "checkpoint.every_n_steps=2", "checkpoint.keep_last=-1", "trainer.max_steps=6"]
+@pytest.mark.parametrize("algo", [[], ["algo=ppo"]], ids=["grpo", "ppo"])
+def test_a_checkpoint_resumes_the_population_exactly(tmp_path, algo):
+    common = [*POP, *algo, "checkpoint.every_n_steps=2", "checkpoint.keep_last=-1", "trainer.max_steps=6"]
     full = run(compose_config(common, output_dir=tmp_path / "full")).module
     ckpt = tmp_path / "full" / "checkpoints" / "step_000002.ckpt"
     assert ckpt.is_file()
@@ -187,6 +196,7 @@ def test_a_checkpoint_resumes_the_population_exactly(tmp_path):
     assert full.members.hparams == resumed.members.hparams
     for k in range(2):
         a, b = full.member_state(k), resumed.member_state(k)
+        assert a["weights"].keys() == b["weights"].keys()
         assert all(torch.equal(a["weights"][n], b["weights"][n]) for n in a["weights"])
         assert a["scheduler"]["last_epoch"] == b["scheduler"]["last_epoch"] == 3
     lineage = [(tmp_path / d / "lineage.csv").read_text() for d in ("full", "resumed")]
@@ -257,7 +267,6 @@ def test_mutations_are_checked_by_the_module():
     ("extra", "field"),
     [
         (["model.finetune=full"], "model.finetune"),
-        (["algo=ppo"], "algo"),
         (["algo=dapo"], "algo.dynamic_sampling"),
     ],
 )
@@ -317,3 +326,16 @@ def test_each_member_refreshes_its_own_reference_on_its_own_updates(tmp_path):
         {n: w for n, w in module.member_state(k)["weights"].items() if n.startswith("1:")} for k in range(2)
     ]
     assert not all(torch.equal(refs[0][n], refs[1][n]) for n in refs[0])
+
+
+@pytest.mark.slow
+def test_ppo_members_each_have_their_own_critic_and_the_best_is_exported(tmp_path):
+    out = tmp_path / "run"
+    module = run(
+        compose_config([*POP, "algo=ppo", "population.evolve_every=0", "trainer.max_steps=6"], output_dir=out)
+    ).module
+    states = [module.member_state(k)["weights"] for k in range(2)]
+    critic = [{n: w for n, w in s.items() if n.startswith(("1:", "value_head:"))} for s in states]
+    assert critic[0] and critic[0].keys() == critic[1].keys()
+    assert not all(torch.equal(critic[0][n], critic[1][n]) for n in critic[0])
+    assert (out / "population" / "best" / "critic" / "value_head.safetensors").is_file()
