@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import random
 import threading
 from pathlib import Path
 from typing import Any
@@ -33,39 +32,12 @@ import torch
 
 from rlhf_lightning.algorithms.records import StepSummary
 from rlhf_lightning.population.checks import validate_space
-from rlhf_lightning.population.evolution import MUTABLE, MutationRange
-from rlhf_lightning.population.generations import LINEAGE_FIELDS, Generations
+from rlhf_lightning.population.generations import FITNESS, LINEAGE_FIELDS, Generations
 from rlhf_lightning.population.members import KEEP_SNAPSHOTS, Member, write_snapshot
 from rlhf_lightning.population.resident import MEMBER_COUNTERS, ResidentMember
 from rlhf_lightning.runtime.schedule import warmup_cosine
 
 __all__ = ["FITNESS", "KEEP_SNAPSHOTS", "LINEAGE_FIELDS", "MEMBER_COUNTERS", "Member", "Population"]
-
-FITNESS = ("accuracy_sampled", "accuracy_greedy", "return_sampled", "return_greedy")
-
-
-def check_settings(
-    size: int,
-    evolve_every: int,
-    space: dict[str, MutationRange],
-    fitness: str,
-    keep_snapshots: int,
-    every_multiple_of_size: bool = True,
-) -> None:
-    """The population's own settings (a population callback's constructor checks them)."""
-    if size < 2:
-        raise ValueError(f"population.size must be at least 2, got {size}")
-    if evolve_every < 0 or (every_multiple_of_size and evolve_every and evolve_every % size):
-        raise ValueError(
-            f"population.evolve_every={evolve_every}: a multiple of population.size={size}, or 0"
-        )
-    if fitness not in FITNESS:
-        raise ValueError(f"population.fitness={fitness!r}: one of {', '.join(FITNESS)}")
-    unknown = sorted(set(space) - set(MUTABLE))
-    if unknown:
-        raise ValueError(f"population.mutate: unknown hyper-parameters {unknown}; choose among {MUTABLE}")
-    if keep_snapshots < 1:
-        raise ValueError(f"population.keep_snapshots must be at least 1, got {keep_snapshots}")
 
 
 class Population(ResidentMember, Generations, L.Callback):
@@ -83,42 +55,11 @@ class Population(ResidentMember, Generations, L.Callback):
     seed: the evolution's random stream (the same on every rank).
     """
 
-    def __init__(
-        self,
-        size: int,
-        evolve_every: int,
-        space: dict[str, MutationRange],
-        output_dir: str | Path,
-        fitness: str = "accuracy_sampled",
-        eval_rows: int = 100,
-        tournament_size: int = 2,
-        elitism: bool = True,
-        no_mutation_prob: float = 0.2,
-        mutate_initial: bool = False,
-        snapshot_every: int = 0,
-        seed: int = 0,
-        keep_snapshots: int = KEEP_SNAPSHOTS,
-    ) -> None:
-        check_settings(size, evolve_every, space, fitness, keep_snapshots)
-        self.size, self.evolve_every, self.space = size, evolve_every, dict(space)
-        self.fitness_name, self.eval_rows = fitness, eval_rows
-        self.tournament_size, self.elitism, self.no_mutation_prob = tournament_size, elitism, no_mutation_prob
-        self.mutate_initial, self.snapshot_every = mutate_initial, snapshot_every
-        self.keep_snapshots = keep_snapshots
-        self.output_dir = Path(output_dir)
-        self.rng = random.Random(seed)
-        self.members: list[Member] = []
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # the settings and bookkeeping (Generations)
         self.resident: int | None = None  # the slot whose state is on the model
-        self.steps = 0  # training steps taken by all members together
-        self.next_id = 0
-        self.lineage: list[dict[str, Any]] = []
-        self.snapshots: list[threading.Thread] = []
-        self.module: Any = None
         self._base_hp: Any = None
-        self._base_temperature = 1.0
         self._ref_interval: int | None = None  # members' own references move every this many updates
-        self._algo: dict[str, Any] = {}  # the algorithm's config values (mutated values are checked)
-        self._restored: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ Lightning hooks
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -185,7 +185,7 @@ def configured_world_size(cfg: DictConfig) -> int:
 
 def validate_population(p: DictConfig, spec: Any, cfg: DictConfig) -> None:
     """``population.*`` at start-up (``cfg``: the whole composed config)."""
-    from rlhf_lightning.population.callback import FITNESS
+    from rlhf_lightning.population.generations import FITNESS
 
     check(p.size >= 1, "population.size", p.size, "at least 1 (1: no population)")
     if p.size == 1:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import random
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,10 +20,35 @@ import torch
 from rlhf_lightning.algorithms.evaluation import episode_success
 from rlhf_lightning.population.checks import check_member
 from rlhf_lightning.population.evolution import MUTABLE, MutationRange, mutate, tournament_select
-from rlhf_lightning.population.members import Member
+from rlhf_lightning.population.members import KEEP_SNAPSHOTS, Member
 from rlhf_lightning.runtime import rng as rng_state
 
 LINEAGE_FIELDS = ["step", "slot", "id", "parent", "event", "mutation", "parent_fitness", *MUTABLE]
+FITNESS = ("accuracy_sampled", "accuracy_greedy", "return_sampled", "return_greedy")
+
+
+def check_settings(
+    size: int,
+    evolve_every: int,
+    space: dict[str, MutationRange],
+    fitness: str,
+    keep_snapshots: int,
+    every_multiple_of_size: bool = True,
+) -> None:
+    """The population's own settings (a population callback's constructor checks them)."""
+    if size < 2:
+        raise ValueError(f"population.size must be at least 2, got {size}")
+    if evolve_every < 0 or (every_multiple_of_size and evolve_every and evolve_every % size):
+        raise ValueError(
+            f"population.evolve_every={evolve_every}: a multiple of population.size={size}, or 0"
+        )
+    if fitness not in FITNESS:
+        raise ValueError(f"population.fitness={fitness!r}: one of {', '.join(FITNESS)}")
+    unknown = sorted(set(space) - set(MUTABLE))
+    if unknown:
+        raise ValueError(f"population.mutate: unknown hyper-parameters {unknown}; choose among {MUTABLE}")
+    if keep_snapshots < 1:
+        raise ValueError(f"population.keep_snapshots must be at least 1, got {keep_snapshots}")
 
 
 class Generations:
@@ -50,6 +76,56 @@ class Generations:
     _algo: dict[str, Any]
 
     load: Callable[[int], None]  # ResidentMember.load: make a slot resident
+    # Round-robin: evolutions every so many training steps, a multiple of the size (each member
+    # trains as often); side by side they count population steps.
+    every_multiple_of_size = True
+
+    def __init__(
+        self,
+        size: int,
+        evolve_every: int,
+        space: dict[str, MutationRange],
+        output_dir: str | Path,
+        fitness: str = "accuracy_sampled",
+        eval_rows: int = 100,
+        tournament_size: int = 2,
+        elitism: bool = True,
+        no_mutation_prob: float = 0.2,
+        mutate_initial: bool = False,
+        snapshot_every: int = 0,
+        seed: int = 0,
+        keep_snapshots: int = KEEP_SNAPSHOTS,
+    ) -> None:
+        check_settings(size, evolve_every, space, fitness, keep_snapshots, self.every_multiple_of_size)
+        self.size, self.evolve_every, self.space = size, evolve_every, dict(space)
+        self.fitness_name, self.eval_rows = fitness, eval_rows
+        self.tournament_size, self.elitism, self.no_mutation_prob = tournament_size, elitism, no_mutation_prob
+        self.mutate_initial, self.snapshot_every = mutate_initial, snapshot_every
+        self.keep_snapshots = keep_snapshots
+        self.output_dir = Path(output_dir)
+        self.rng = random.Random(seed)
+        self.members = []
+        self.steps = 0  # training steps (round-robin) or population steps (side by side)
+        self.next_id = 0
+        self.lineage = []
+        self.snapshots: list[threading.Thread] = []
+        self.module = None
+        self._base_temperature = 1.0
+        self._algo = {}  # the algorithm's config values (mutated values are checked)
+        self._restored: dict[str, Any] | None = None
+
+    def fitness_of(self, result: Any) -> float:
+        """A member's fitness from its evaluation episodes: accuracy or mean return, over every
+        rank's episodes."""
+        module = self.module
+        if self.fitness_name.startswith("accuracy"):
+            values = torch.tensor([episode_success(t) for t in result.trajectories])
+        else:
+            values = result.batch.returns.float().cpu()
+        total = torch.stack([values.sum(), torch.tensor(float(len(values)))]).to(module.device)
+        if module.world_size > 1:
+            total = module.all_gather(total).sum(0)
+        return float(total[0] / total[1].clamp(min=1))
 
     def mutated(
         self, hparams: dict[str, float], member_id: int, no_mutation_prob: float
@@ -81,14 +157,7 @@ class Generations:
             self.load(slot)
             params = dataclasses.replace(module.sampling, temperature=temperature)
             result = module.rollout(rows, params, group_size=1, evaluation=True)
-            if self.fitness_name.startswith("accuracy"):
-                values = torch.tensor([episode_success(t) for t in result.trajectories])
-            else:
-                values = result.batch.returns.float().cpu()
-            total = torch.stack([values.sum(), torch.tensor(float(len(values)))]).to(module.device)
-            if module.world_size > 1:
-                total = module.all_gather(total).sum(0)
-            out.append(float(total[0] / total[1].clamp(min=1)))
+            out.append(self.fitness_of(result))
         rng_state.restore(saved)
         return out
 

@@ -15,19 +15,16 @@ the bookkeeping: ids, parents, fitness, the lineage and snapshots.
 from __future__ import annotations
 
 import dataclasses
-import random
 import threading
-from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 
-from rlhf_lightning.algorithms.evaluation import episode_success
 from rlhf_lightning.population.checks import check_member, validate_space
-from rlhf_lightning.population.evolution import MutationRange, tournament_select
+from rlhf_lightning.population.evolution import tournament_select
 from rlhf_lightning.population.generations import Generations
-from rlhf_lightning.population.members import KEEP_SNAPSHOTS, Member, write_snapshot
+from rlhf_lightning.population.members import Member, write_snapshot
 from rlhf_lightning.runtime import rng as rng_state
 
 
@@ -35,42 +32,7 @@ class SideBySidePopulation(Generations, L.Callback):
     """Args: as :class:`~rlhf_lightning.population.callback.Population`, but ``evolve_every``
     counts population steps (every member updated once each)."""
 
-    def __init__(
-        self,
-        size: int,
-        evolve_every: int,
-        space: dict[str, MutationRange],
-        output_dir: str | Path,
-        fitness: str = "accuracy_sampled",
-        eval_rows: int = 100,
-        tournament_size: int = 2,
-        elitism: bool = True,
-        no_mutation_prob: float = 0.2,
-        mutate_initial: bool = False,
-        snapshot_every: int = 0,
-        seed: int = 0,
-        keep_snapshots: int = KEEP_SNAPSHOTS,
-    ) -> None:
-        from rlhf_lightning.population.callback import check_settings
-
-        check_settings(size, evolve_every, space, fitness, keep_snapshots, every_multiple_of_size=False)
-        self.size, self.evolve_every, self.space = size, evolve_every, dict(space)
-        self.fitness_name, self.eval_rows = fitness, eval_rows
-        self.tournament_size, self.elitism, self.no_mutation_prob = tournament_size, elitism, no_mutation_prob
-        self.mutate_initial, self.snapshot_every = mutate_initial, snapshot_every
-        self.keep_snapshots = keep_snapshots
-        self.output_dir = Path(output_dir)
-        self.rng = random.Random(seed)
-        self.members: list[Member] = []  # ids, parents, fitness, hyper-parameters (the module trains them)
-        self.resident = None
-        self.steps = 0  # population steps
-        self.next_id = 0
-        self.lineage: list[dict[str, Any]] = []
-        self.snapshots: list[threading.Thread] = []
-        self.module: Any = None
-        self._base_temperature = 1.0
-        self._algo: dict[str, Any] = {}
-        self._restored: dict[str, Any] | None = None
+    every_multiple_of_size = False
 
     # ------------------------------------------------------------------ Lightning hooks
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -153,17 +115,7 @@ class SideBySidePopulation(Generations, L.Callback):
         saved = rng_state.capture()  # scoring draws no numbers from training's streams
         results = module.score_members(rows, temperature)
         rng_state.restore(saved)
-        out = []
-        for result in results:
-            if self.fitness_name.startswith("accuracy"):
-                values = torch.tensor([episode_success(t) for t in result.trajectories])
-            else:
-                values = result.batch.returns.float().cpu()
-            total = torch.stack([values.sum(), torch.tensor(float(len(values)))]).to(module.device)
-            if module.world_size > 1:
-                total = module.all_gather(total).sum(0)
-            out.append(float(total[0] / total[1].clamp(min=1)))
-        return out
+        return [self.fitness_of(result) for result in results]
 
     def evolve(self, trainer: L.Trainer) -> None:
         module = self.module
