@@ -339,3 +339,15 @@ def test_ppo_members_each_have_their_own_critic_and_the_best_is_exported(tmp_pat
     assert critic[0] and critic[0].keys() == critic[1].keys()
     assert not all(torch.equal(critic[0][n], critic[1][n]) for n in critic[0])
     assert (out / "population" / "best" / "critic" / "value_head.safetensors").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["rloo", "cispo", "reinforce_pp", "gspo"])
+def test_side_by_side_with_other_rollout_algorithms(tmp_path, algo):
+    out = tmp_path / "run"
+    space = "population.mutate={lr:{low:1e-5,high:1e-1,scale:2},temperature:{low:0.5,high:1.5,scale:1.2}}"
+    result = run(compose_config([*POP, f"algo={algo}", space, "trainer.max_steps=4"], output_dir=out))
+    assert population_of(result).steps == 2 and result.trainer.global_step == 4
+    assert len(list(csv.DictReader((out / "lineage.csv").open()))) == 6
+    rows = [r for r in csv.DictReader((out / "metrics.csv").open()) if r.get("member_1/rollout/reward_mean")]
+    assert len(rows) == 2
