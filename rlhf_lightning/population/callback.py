@@ -33,7 +33,7 @@ import torch
 from rlhf_lightning.algorithms.records import StepSummary
 from rlhf_lightning.population.checks import validate_space
 from rlhf_lightning.population.generations import FITNESS, LINEAGE_FIELDS, Generations
-from rlhf_lightning.population.members import KEEP_SNAPSHOTS, Member, write_snapshot
+from rlhf_lightning.population.members import KEEP_SNAPSHOTS, Member
 from rlhf_lightning.population.resident import MEMBER_COUNTERS, ResidentMember
 from rlhf_lightning.runtime.schedule import warmup_cosine
 
@@ -163,20 +163,7 @@ class Population(ResidentMember, Generations, L.Callback):
             m | {k: [w.detach().cpu() for w in m[k]] for k in ("weights", "reference")}
             for m in state["members"]
         ]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.snapshots = [t for t in self.snapshots if t.is_alive()]
-        thread = threading.Thread(
-            target=write_snapshot, args=(state, path, self.keep_snapshots), daemon=False
-        )
-        thread.start()
-        self.snapshots.append(thread)
-        return thread
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.population_state() if self.members else {}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._restored = state_dict or None
+        return self.write_in_background(state, path)
 
     def _load_population(self, state: dict[str, Any]) -> None:
         self.members = [Member(**m) for m in state["members"]]

@@ -20,7 +20,7 @@ import torch
 from rlhf_lightning.algorithms.evaluation import episode_success
 from rlhf_lightning.population.checks import check_member
 from rlhf_lightning.population.evolution import MUTABLE, MutationRange, mutate, tournament_select
-from rlhf_lightning.population.members import KEEP_SNAPSHOTS, Member
+from rlhf_lightning.population.members import KEEP_SNAPSHOTS, Member, write_snapshot
 from rlhf_lightning.runtime import rng as rng_state
 
 LINEAGE_FIELDS = ["step", "slot", "id", "parent", "event", "mutation", "parent_fitness", *MUTABLE]
@@ -114,6 +114,34 @@ class Generations:
         self._algo = {}  # the algorithm's config values (mutated values are checked)
         self._restored: dict[str, Any] | None = None
 
+    def held_out(self, trainer: L.Trainer) -> tuple[list[int], float]:
+        """This rank's share of the first ``eval_rows`` held-out rows, and the one temperature every
+        member is scored at (the config's rollout temperature; 0 for ``*_greedy``)."""
+        module = self.module
+        n = min(self.eval_rows, trainer.datamodule.eval_rows)  # type: ignore[attr-defined]
+        rows = list(range(module.rank, n, module.world_size))
+        return rows, self._base_temperature if self.fitness_name.endswith("_sampled") else 0.0
+
+    def write_in_background(self, state: dict[str, Any], path: Path) -> threading.Thread:
+        """Write ``state`` (copies) to ``path`` from a thread (:func:`write_snapshot`); training goes on."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.snapshots = [t for t in self.snapshots if t.is_alive()]
+        thread = threading.Thread(
+            target=write_snapshot, args=(state, path, self.keep_snapshots), daemon=False
+        )
+        thread.start()
+        self.snapshots.append(thread)
+        return thread
+
+    def population_state(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.population_state() if self.members else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored = state_dict or None
+
     def fitness_of(self, result: Any) -> float:
         """A member's fitness from its evaluation episodes: accuracy or mean return, over every
         rank's episodes."""
@@ -147,10 +175,7 @@ class Generations:
         ``*_greedy``): a member's own mutated temperature would favour low ones for being
         evaluated at them."""
         module = self.module
-        dm = trainer.datamodule  # type: ignore[attr-defined]
-        n = min(self.eval_rows, dm.eval_rows)
-        rows = list(range(module.rank, n, module.world_size))
-        temperature = self._base_temperature if self.fitness_name.endswith("_sampled") else 0.0
+        rows, temperature = self.held_out(trainer)
         saved = rng_state.capture()  # scoring draws no numbers from training's streams
         out = []
         for slot in range(self.size):

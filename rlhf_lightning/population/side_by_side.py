@@ -24,7 +24,7 @@ import torch
 from rlhf_lightning.population.checks import check_member, validate_space
 from rlhf_lightning.population.evolution import tournament_select
 from rlhf_lightning.population.generations import Generations
-from rlhf_lightning.population.members import Member, write_snapshot
+from rlhf_lightning.population.members import Member
 from rlhf_lightning.runtime import rng as rng_state
 
 
@@ -107,13 +107,9 @@ class SideBySidePopulation(Generations, L.Callback):
     def score(self, trainer: L.Trainer) -> list[float]:
         """Each member's fitness on the first ``eval_rows`` held-out rows, every member in one
         engine call at one temperature (all ranks: the mean)."""
-        module = self.module
-        dm = trainer.datamodule  # type: ignore[attr-defined]
-        n = min(self.eval_rows, dm.eval_rows)
-        rows = list(range(module.rank, n, module.world_size))
-        temperature = self._base_temperature if self.fitness_name.endswith("_sampled") else 0.0
+        rows, temperature = self.held_out(trainer)
         saved = rng_state.capture()  # scoring draws no numbers from training's streams
-        results = module.score_members(rows, temperature)
+        results = self.module.score_members(rows, temperature)
         rng_state.restore(saved)
         return [self.fitness_of(result) for result in results]
 
@@ -195,17 +191,4 @@ class SideBySidePopulation(Generations, L.Callback):
         if not self.snapshot_every or self.steps % self.snapshot_every or not trainer.is_global_zero:
             return None
         path = self.output_dir / "population" / f"snapshot_step_{self.steps:06d}.pt"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.snapshots = [t for t in self.snapshots if t.is_alive()]
-        thread = threading.Thread(
-            target=write_snapshot, args=(self.population_state(True), path, self.keep_snapshots), daemon=False
-        )
-        thread.start()
-        self.snapshots.append(thread)
-        return thread
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.population_state() if self.members else {}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._restored = state_dict or None
+        return self.write_in_background(self.population_state(True), path)
