@@ -31,7 +31,6 @@ import lightning as L
 import torch
 
 from rlhf_lightning.algorithms.records import StepSummary
-from rlhf_lightning.population.checks import validate_space
 from rlhf_lightning.population.generations import FITNESS, LINEAGE_FIELDS, Generations
 from rlhf_lightning.population.members import KEEP_SNAPSHOTS, Member
 from rlhf_lightning.population.resident import MEMBER_COUNTERS, ResidentMember
@@ -69,9 +68,7 @@ class Population(ResidentMember, Generations, L.Callback):
         self._base_temperature = float(module.sampling.temperature)
         self._ref_interval = getattr(self._base_hp, "ref_update_interval", None) or None
         self._algo = dataclasses.asdict(self._base_hp)
-        finetune = "lora" if module.policy.is_peft else "full"
-        space = {name: dataclasses.asdict(r) for name, r in self.space.items()}
-        validate_space(space, self._algo, finetune, module.world_size)  # as at start-up
+        self.check_space("lora" if module.policy.is_peft else "full", module.world_size)
         # Each member's warm-up and cosine run over its own share of the optimizer steps.
         hp, sched = self._base_hp, self.scheduler()
         own = max(module.total_optimizer_steps() // self.size, 1)
@@ -83,14 +80,7 @@ class Population(ResidentMember, Generations, L.Callback):
             self._load_population(self._restored)
             self._restored = None
             return
-        base = self.initial_hparams()
-        for slot in range(self.size):
-            hp, how = (
-                self.mutated(base, self.next_id, 0.0) if self.mutate_initial and slot else (base, "none")
-            )
-            self.members.append(self.capture(self.next_id, hp))
-            self.record(trainer.global_step, slot, None, "init", how, None)
-            self.next_id += 1
+        self.first_generation(self.capture, trainer.global_step)
         self.resident = 0
         self.apply_hparams(self.members[0].hparams)
         self.write_lineage(trainer)
@@ -120,28 +110,6 @@ class Population(ResidentMember, Generations, L.Callback):
             self.evolve(trainer)
         self.maybe_snapshot(trainer)
 
-    def maybe_snapshot(self, trainer: L.Trainer) -> threading.Thread | None:
-        """Every ``snapshot_every`` steps, rank 0 writes the population (every rank holds the same)."""
-        if not self.snapshot_every or self.steps % self.snapshot_every or not trainer.is_global_zero:
-            return None
-        return self.snapshot(self.output_dir / "population" / f"snapshot_step_{self.steps:06d}.pt")
-
-    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.members:
-            self.load(self.best_slot())
-
-    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        for t in self.snapshots:
-            t.join()
-        if not self.members:
-            return
-        self.load(self.best_slot())
-        if trainer.is_global_zero:
-            out = self.module.policy.save_adapter(self.output_dir / "population" / "best")
-            if out is not None:
-                m = self.members[self.best_slot()]
-                print(f"population: best member {m.id} (fitness {m.fitness}) -> {out}")
-
     # ------------------------------------------------------------------ state: checkpoints and snapshots
     def population_state(self) -> dict[str, Any]:
         """Copies of everything that decides the population's future (members, RNG, counters)."""
@@ -166,13 +134,10 @@ class Population(ResidentMember, Generations, L.Callback):
         return self.write_in_background(state, path)
 
     def _load_population(self, state: dict[str, Any]) -> None:
-        self.members = [Member(**m) for m in state["members"]]
+        self.restore_bookkeeping(state)
         shared = [p.detach().clone() for p in self.reference_params()]
         for m in self.members:  # a checkpoint from before members had their own: the shared one
             m.reference = m.reference or [w.clone() for w in shared]
-        self.steps, self.next_id = state["steps"], state["next_id"]
-        self.rng.setstate(state["rng"])
-        self.lineage = [dict(r) for r in state["lineage"]]
         # Lightning restored the resident's weights, optimizer and scheduler; its hyper-parameters:
         self.resident = state["resident"]
         if self.resident is not None:

@@ -18,7 +18,7 @@ import lightning as L
 import torch
 
 from rlhf_lightning.algorithms.evaluation import episode_success
-from rlhf_lightning.population.checks import check_member
+from rlhf_lightning.population.checks import check_member, validate_space
 from rlhf_lightning.population.evolution import MUTABLE, MutationRange, mutate, tournament_select
 from rlhf_lightning.population.members import KEEP_SNAPSHOTS, Member, write_snapshot
 from rlhf_lightning.runtime import rng as rng_state
@@ -114,6 +114,67 @@ class Generations:
         self._algo = {}  # the algorithm's config values (mutated values are checked)
         self._restored: dict[str, Any] | None = None
 
+    def initial_hparams(self) -> dict[str, float]:
+        """The config's values of every mutable hyper-parameter it sets, and the temperature."""
+        hp = {k: self._algo[k] for k in MUTABLE if k in self._algo}
+        hp["temperature"] = self._base_temperature
+        return {k: v for k, v in hp.items() if v is not None}
+
+    def check_space(self, finetune: str, world_size: int) -> None:
+        """``population.mutate`` checked against the algorithm's values, as at start-up."""
+        space = {name: dataclasses.asdict(r) for name, r in self.space.items()}
+        validate_space(space, self._algo, finetune, world_size)
+
+    def first_generation(self, make: Callable[[int, dict[str, float]], Member], step: int) -> None:
+        """The members at the start: the config's values, members 1..N-1 mutated once with
+        ``mutate_initial``; ``make(id, hparams)`` builds each."""
+        base = self.initial_hparams()
+        for slot in range(self.size):
+            hp, how = (
+                self.mutated(base, self.next_id, 0.0) if self.mutate_initial and slot else (base, "none")
+            )
+            self.members.append(make(self.next_id, hp))
+            self.record(step, slot, None, "init", how, None)
+            self.next_id += 1
+
+    def restore_bookkeeping(self, state: dict[str, Any]) -> None:
+        """Members, counters, the evolution's RNG and the lineage from a checkpoint's state."""
+        self.members = [Member(**m) for m in state["members"]]
+        self.steps, self.next_id = state["steps"], state["next_id"]
+        self.rng.setstate(state["rng"])
+        self.lineage = [dict(r) for r in state["lineage"]]
+
+    def show(self, slot: int) -> None:
+        """Put member ``slot`` on the model for evaluation and export (round-robin: resident)."""
+        self.load(slot)
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.members:
+            self.show(self.best_slot())
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Wait for the snapshots; the fittest member on the model, its adapters written."""
+        for t in self.snapshots:
+            t.join()
+        if not self.members:
+            return
+        best = self.best_slot()
+        self.show(best)
+        if trainer.is_global_zero:
+            out = self.module.policy.save_adapter(self.output_dir / "population" / "best")
+            if out is not None:
+                m = self.members[best]
+                print(f"population: best member {m.id} (fitness {m.fitness}) -> {out}")
+
+    def snapshot(self, path: Path) -> threading.Thread:
+        raise NotImplementedError
+
+    def maybe_snapshot(self, trainer: L.Trainer) -> threading.Thread | None:
+        """Every ``snapshot_every`` steps, rank 0 writes the population (every rank holds the same)."""
+        if not self.snapshot_every or self.steps % self.snapshot_every or not trainer.is_global_zero:
+            return None
+        return self.snapshot(self.output_dir / "population" / f"snapshot_step_{self.steps:06d}.pt")
+
     def held_out(self, trainer: L.Trainer) -> tuple[list[int], float]:
         """This rank's share of the first ``eval_rows`` held-out rows, and the one temperature every
         member is scored at (the config's rollout temperature; 0 for ``*_greedy``)."""
@@ -174,16 +235,20 @@ class Generations:
         Every member is scored at the same temperature (the config's rollout temperature, 0 for
         ``*_greedy``): a member's own mutated temperature would favour low ones for being
         evaluated at them."""
-        module = self.module
         rows, temperature = self.held_out(trainer)
         saved = rng_state.capture()  # scoring draws no numbers from training's streams
-        out = []
+        results = self.member_results(rows, temperature)
+        rng_state.restore(saved)
+        return [self.fitness_of(result) for result in results]
+
+    def member_results(self, rows: list[int], temperature: float) -> list[Any]:
+        """Every member's evaluation episodes for ``rows``: round-robin, one member resident at
+        a time (each swapped out is stored)."""
+        module, out = self.module, []
         for slot in range(self.size):
             self.load(slot)
             params = dataclasses.replace(module.sampling, temperature=temperature)
-            result = module.rollout(rows, params, group_size=1, evaluation=True)
-            out.append(self.fitness_of(result))
-        rng_state.restore(saved)
+            out.append(module.rollout(rows, params, group_size=1, evaluation=True))
         return out
 
     def evolve(self, trainer: L.Trainer) -> None:
@@ -207,9 +272,8 @@ class Generations:
             new.append(child)
             self.record(step, slot, child, event, how, fitness[p])
         self.members = new
+        self.place(parents)
         self.check_ranks_agree()
-        self.resident = None  # the model holds an old member's state: load the next one fresh
-        self.load(self.steps % self.size)
         self.module.log_metrics(
             {
                 "population/fitness_best": torch.tensor(max(fitness)),
@@ -219,17 +283,29 @@ class Generations:
         )
         self.write_lineage(trainer)
 
+    def place(self, parents: list[int]) -> None:
+        """Put the new generation (:attr:`members`, slot ``i`` born of the old slot
+        ``parents[i]``) on the model. Round-robin: the members carry their copies; the model
+        holds an old member's state, so the next one is loaded fresh."""
+        self.resident = None
+        self.load(self.steps % self.size)
+
+    def member_digest(self, slot: int) -> list[float]:
+        """What else of a member the ranks compare after selection (side by side: its weights)."""
+        return []
+
     def check_ranks_agree(self) -> None:
         """Every rank must hold the same population after selection (same seed, same gathered
-        fitness): a cheap digest of ids and hyper-parameters is compared across ranks."""
+        fitness): a cheap digest of ids and hyper-parameters (and :meth:`member_digest`) is
+        compared across ranks."""
         module = self.module
         if module.world_size <= 1:
             return
-        digest = torch.tensor(
-            [[float(m.id), *(float(m.hparams.get(k) or 0.0) for k in MUTABLE)] for m in self.members],
-            dtype=torch.float64,
-            device=module.device,
-        )
+        rows = [
+            [float(m.id), *(float(m.hparams.get(k) or 0.0) for k in MUTABLE), *self.member_digest(i)]
+            for i, m in enumerate(self.members)
+        ]
+        digest = torch.tensor(rows, dtype=torch.float64, device=module.device)
         gathered = module.all_gather(digest)
         if not bool((gathered == gathered[0]).all()):
             raise RuntimeError(

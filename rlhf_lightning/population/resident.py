@@ -14,7 +14,6 @@ from typing import Any, cast
 
 import torch
 
-from rlhf_lightning.population.evolution import MUTABLE
 from rlhf_lightning.population.members import Member, copy_into
 
 MEMBER_COUNTERS = ("learn_steps",)  # module attributes each member carries (PPO's critic warm-up)
@@ -114,11 +113,6 @@ class ResidentMember:
             group["initial_lr"] = base
             group["lr"] = base * fn(sched.last_epoch)
         module.objective = module.build_objective()
-
-    def initial_hparams(self) -> dict[str, float]:
-        hp = {k: getattr(self._base_hp, k) for k in MUTABLE if hasattr(self._base_hp, k)}
-        hp["temperature"] = self._base_temperature
-        return {k: v for k, v in hp.items() if v is not None}
 
     def refresh_reference(self) -> None:
         """Copy the resident's actor onto its own reference after every ``ref_update_interval``-th

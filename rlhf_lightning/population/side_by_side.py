@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 
-from rlhf_lightning.population.checks import check_member, validate_space
-from rlhf_lightning.population.evolution import tournament_select
+from rlhf_lightning.population.checks import check_member
 from rlhf_lightning.population.generations import Generations
 from rlhf_lightning.population.members import Member
-from rlhf_lightning.runtime import rng as rng_state
 
 
 class SideBySidePopulation(Generations, L.Callback):
@@ -44,33 +43,14 @@ class SideBySidePopulation(Generations, L.Callback):
         self.module = module
         self._base_temperature = float(module.sampling.temperature)
         self._algo = dataclasses.asdict(module.hp)
-        finetune = "lora" if module.policy.is_peft else "full"
-        space = {name: dataclasses.asdict(r) for name, r in self.space.items()}
-        validate_space(space, self._algo, finetune, trainer.world_size)  # as at start-up
-        base = self.initial_hparams()
-        for slot in range(self.size):
-            hp, how = (
-                self.mutated(base, self.next_id, 0.0) if self.mutate_initial and slot else (base, "none")
-            )
-            self.members.append(Member(self.next_id, dict(hp)))
-            self.record(0, slot, None, "init", how, None)
-            self.next_id += 1
+        self.check_space("lora" if module.policy.is_peft else "full", trainer.world_size)
+        self.first_generation(lambda member_id, hp: Member(member_id, dict(hp)), trainer.global_step)
         module.enable_members([m.hparams for m in self.members], check_member)
-
-    def initial_hparams(self) -> dict[str, float]:
-        from rlhf_lightning.population.evolution import MUTABLE
-
-        hp = {k: self._algo[k] for k in MUTABLE if k in self._algo}
-        hp["temperature"] = self._base_temperature
-        return {k: v for k, v in hp.items() if v is not None}
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._restored is not None:  # a resume: the checkpoint's bookkeeping (the module has its members)
-            state, self._restored = self._restored, None
-            self.members = [Member(**m) for m in state["members"]]
-            self.steps, self.next_id = state["steps"], state["next_id"]
-            self.rng.setstate(state["rng"])
-            self.lineage = [dict(r) for r in state["lineage"]]
+            self.restore_bookkeeping(self._restored)
+            self._restored = None
         self.write_lineage(trainer)
 
     def on_train_batch_end(
@@ -84,89 +64,25 @@ class SideBySidePopulation(Generations, L.Callback):
             self.evolve(trainer)
         self.maybe_snapshot(trainer)
 
-    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.members:
-            self.module.show_member(self.best_slot())
-
-    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        for t in self.snapshots:
-            t.join()
-        if not self.members:
-            return
-        best = self.best_slot()
-        self.module.show_member(best)
-        if trainer.is_global_zero:
-            out = self.module.policy.save_adapter(self.output_dir / "population" / "best")
-            if out is not None:
-                print(
-                    f"population: best member {self.members[best].id} (fitness {self.members[best].fitness}) -> {out}"
-                )
+    def show(self, slot: int) -> None:
+        self.module.show_member(slot)
 
     # ------------------------------------------------------------------ generations
-    @torch.no_grad()
-    def score(self, trainer: L.Trainer) -> list[float]:
-        """Each member's fitness on the first ``eval_rows`` held-out rows, every member in one
-        engine call at one temperature (all ranks: the mean)."""
-        rows, temperature = self.held_out(trainer)
-        saved = rng_state.capture()  # scoring draws no numbers from training's streams
-        results = self.module.score_members(rows, temperature)
-        rng_state.restore(saved)
-        return [self.fitness_of(result) for result in results]
+    def member_results(self, rows: list[int], temperature: float) -> list[Any]:
+        """Every member's evaluation episodes for ``rows``, all in one engine call."""
+        return self.module.score_members(rows, temperature)
 
-    def evolve(self, trainer: L.Trainer) -> None:
-        module = self.module
-        fitness = self.score(trainer)
-        for m, f in zip(self.members, fitness):
-            m.fitness = f
-        step, best = trainer.global_step, self.best_slot()
-        best_lr = float(self.members[best].hparams.get("lr", 0.0))
-        parents = tournament_select(fitness, self.rng, self.tournament_size, self.elitism)
-        states = [module.member_state(p) for p in parents]  # copies, before any slot is overwritten
-        new: list[Member] = []
-        for slot, p in enumerate(parents):
-            parent = self.members[p]
-            if slot == 0 and self.elitism:
-                child = Member(parent.id, dict(parent.hparams), parent=parent.parent, fitness=parent.fitness)
-                event, how = "elite", "none"
-            else:
-                child = Member(self.next_id, dict(parent.hparams), parent=parent.id, fitness=parent.fitness)
-                self.next_id += 1
-                child.hparams, how = self.mutated(parent.hparams, child.id, self.no_mutation_prob)
-                event = "clone"
-            states[slot]["hparams"] = dict(child.hparams)
-            module.load_member_state(slot, states[slot])
-            new.append(child)
-            self.record(step, slot, child, event, how, fitness[p])
-        self.members = new
-        self.check_ranks_agree()
-        module.log_metrics(
-            {
-                "population/fitness_best": torch.tensor(max(fitness)),
-                "population/fitness_mean": torch.tensor(sum(fitness) / len(fitness)),
-                "population/best_lr": torch.tensor(best_lr),  # the fittest member scored now
-            }
-        )
-        self.write_lineage(trainer)
+    def place(self, parents: list[int]) -> None:
+        """Copy each slot's parent into it through the module (adapters in place, optimizer and
+        schedule state), with the slot's new hyper-parameters (checked by the module)."""
+        states = [self.module.member_state(p) for p in parents]  # copies, before any slot is overwritten
+        for slot, state in enumerate(states):
+            self.module.load_member_state(slot, state | {"hparams": dict(self.members[slot].hparams)})
 
-    def check_ranks_agree(self) -> None:
-        """After selection every rank must hold the same members: ids, hyper-parameters and each
-        member's adapter weights (their sum in float64), compared across ranks."""
-        module = self.module
-        if module.world_size <= 1:
-            return
-        from rlhf_lightning.population.evolution import MUTABLE
-
-        rows = []
-        for k, m in enumerate(self.members):
-            weights = module.member_state(k)["weights"].values()
-            total = float(sum(w.double().sum() for w in weights))
-            rows.append([float(m.id), *(float(m.hparams.get(n) or 0.0) for n in MUTABLE), total])
-        digest = torch.tensor(rows, dtype=torch.float64, device=module.device)
-        gathered = module.all_gather(digest)
-        if not bool((gathered == gathered[0]).all()):
-            raise RuntimeError(
-                f"population: ranks disagree after selection at step {self.steps}: {gathered.tolist()}"
-            )
+    def member_digest(self, slot: int) -> list[float]:
+        """The sum of the member's adapter weights in float64."""
+        weights = self.module.member_state(slot)["weights"].values()
+        return [float(sum(w.double().sum() for w in weights))]
 
     # ------------------------------------------------------------------ state
     def population_state(self, with_members: bool = False) -> dict[str, Any]:
@@ -186,9 +102,6 @@ class SideBySidePopulation(Generations, L.Callback):
             "lineage": [dict(r) for r in self.lineage],
         }
 
-    def maybe_snapshot(self, trainer: L.Trainer) -> threading.Thread | None:
-        """Every ``snapshot_every`` population steps, rank 0 writes every member from a thread."""
-        if not self.snapshot_every or self.steps % self.snapshot_every or not trainer.is_global_zero:
-            return None
-        path = self.output_dir / "population" / f"snapshot_step_{self.steps:06d}.pt"
+    def snapshot(self, path: Path) -> threading.Thread:
+        """Every member's whole state, written from a background thread."""
         return self.write_in_background(self.population_state(True), path)
