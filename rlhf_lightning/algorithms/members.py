@@ -195,22 +195,14 @@ class MemberAPI:
 
     # ---------------------------------------------------------------- one member in the slots
     def _pairs(self, k: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Member ``k``'s adapter weights and the trainable slots' matching ones, found once."""
+        """Member ``k``'s weights and the trainable slots' matching ones, found once."""
         cache: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = self.__dict__.setdefault(
             "_pair_cache", {}
         )
         if k not in cache:
-            params = dict(self.policy.model.named_parameters())
-            mine, slots = [], []
-            for member, slot in self._slots(k):
-                for n, p in params.items():
-                    if f".{member}." in n:
-                        mine.append(p)
-                        slots.append(params[n.replace(f".{member}.", f".{slot}.")])
-            if self.policy.value_head is not None:
-                mine += list(self.member_value_heads[k].parameters())
-                slots += list(self.policy.value_head.parameters())
-            cache[k] = (mine, slots)
+            mine = self._member_params(k)
+            slots = self._keyed([slot for _, slot in self._slots(k)], self.policy.value_head)
+            cache[k] = (list(mine.values()), [slots[n] for n in mine])
         return cache[k]
 
     def _slots(self, k: int) -> list[tuple[str, str]]:
@@ -262,18 +254,23 @@ class MemberAPI:
             refresh_reference(self.policy, self._base_hp.ref_update_interval, done)
 
     # ---------------------------------------------------------------- copies of members
-    def _member_params(self, k: int) -> dict[str, torch.nn.Parameter]:
-        """Member ``k``'s adapter weights keyed by slot and name without the member's own name
-        (``"0:...lora_A.{}.weight"``), so any member's state loads into any other's."""
-        params = self.policy.model.named_parameters()
+    def _keyed(self, adapters: list[str], head: torch.nn.Module | None) -> dict[str, torch.nn.Parameter]:
+        """The weights of ``adapters`` keyed by position and name without the adapter's own
+        (``"0:...lora_A.{}.weight"``), and ``head``'s (``"value_head:weight"``): any member's keys
+        match any other's and the trainable slots'."""
         out = {}
-        for n, p in params:
-            for i, (member, _) in enumerate(self._slots(k)):
-                if f".{member}." in n:
-                    out[f"{i}:{n.replace(f'.{member}.', '.{}.')}"] = p
-        if self.policy.value_head is not None:
-            out.update({f"value_head:{n}": p for n, p in self.member_value_heads[k].named_parameters()})
+        for n, p in self.policy.model.named_parameters():
+            for i, name in enumerate(adapters):
+                if f".{name}." in n:
+                    out[f"{i}:{n.replace(f'.{name}.', '.{}.')}"] = p
+        if head is not None:
+            out.update({f"value_head:{n}": p for n, p in head.named_parameters()})
         return out
+
+    def _member_params(self, k: int) -> dict[str, torch.nn.Parameter]:
+        """Member ``k``'s weights (:meth:`_keyed`), so any member's state loads into any other's."""
+        head = self.member_value_heads[k] if self.policy.value_head is not None else None
+        return self._keyed([member for member, _ in self._slots(k)], head)
 
     def member_state(self, k: int) -> dict[str, Any]:
         """Copies of everything member ``k`` is: its adapters' weights, its optimizer's and
