@@ -254,8 +254,12 @@ def _train(
         trainer.validate(module, datamodule=dm, verbose=False)
     try:  # checkpoints hold tensors and plain data only: loaded without unpickling code
         trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path, weights_only=True)
-    except SystemExit:
-        if cbs.stop.interrupted:  # Lightning exits 1 on a KeyboardInterrupt: the guard's code
+    except BaseException:
+        # A second Ctrl-C: Lightning exits 1 on a KeyboardInterrupt (the guard's code), and one
+        # that lands inside a checkpoint save surfaces as torch's writer error instead. That save
+        # is dropped whole (atomic): the checkpoints written before it are intact.
+        if cbs.stop.interrupted:
+            log.warning("stopped at once by a second Ctrl-C; the checkpoints saved before it are intact")
             raise SystemExit(128 + signal.SIGINT) from None
         raise
     if cbs.stop.stopped_by is not None:  # checkpoint saved at the signal's step

@@ -65,6 +65,54 @@ def test_the_trainer_saves_through_the_atomic_checkpoint_io(tmp_path):
     assert "last.ckpt" in ckpts and not [p for p in ckpts if p.startswith(".")]
 
 
+def test_a_second_ctrl_c_during_the_stop_checkpoint_exits_130(tmp_path, monkeypatch):
+    """The second Ctrl-C lands while the first one's checkpoint is being written: torch's zip
+    writer then raises its own error over the KeyboardInterrupt. The run still exits 130, the
+    interrupted save leaves no file, and the checkpoint saved before it loads."""
+    import io
+
+    from rlhf_lightning.callbacks.signals import StopOnSignal
+    from rlhf_lightning.run import run
+
+    pressed: list[bool] = []
+    real_batch_end, real_save = StopOnSignal.on_train_batch_end, torch.save
+
+    def first_press_after_step_3(self, trainer, *args):
+        if trainer.global_step == 3 and not pressed:
+            pressed.append(True)
+            os.kill(os.getpid(), signal.SIGINT)  # handled at once: stop after this step
+        return real_batch_end(self, trainer, *args)
+
+    class SecondPressMidWrite(io.RawIOBase):
+        def __init__(self, f):
+            self.f, self.writes = f, 0
+
+        def writable(self):
+            return True
+
+        def write(self, b):
+            self.writes += 1
+            if self.writes == 3:
+                os.kill(os.getpid(), signal.SIGINT)
+            return self.f.write(b)
+
+    def save(obj, f, *args, **kwargs):
+        return real_save(obj, SecondPressMidWrite(f) if pressed else f, *args, **kwargs)
+
+    monkeypatch.setattr(StopOnSignal, "on_train_batch_end", first_press_after_step_3)
+    monkeypatch.setattr(torch, "save", save)
+    cfg = compose_config(
+        [*FAST, "trainer.max_steps=6", "checkpoint.every_n_steps=2", "eval.before_training=false"],
+        output_dir=tmp_path / "run",
+    )
+    with pytest.raises(SystemExit) as stopped:
+        run(cfg)
+    assert stopped.value.code == 128 + signal.SIGINT
+    ckpts = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert "last.ckpt" in ckpts and not [n for n in ckpts if n.startswith(".")], ckpts  # no temp file
+    assert torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
+
+
 def test_a_refused_run_leaves_the_live_runs_hydra_files(tmp_path):
     """A second run naming a live run's output_dir is refused before it writes anything there:
     Hydra's .hydra/ copy is off, and the run writes its own once it owns the directory."""
