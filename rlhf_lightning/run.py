@@ -214,6 +214,11 @@ def _fit(
             if cfg.logger.log_model:
                 upload_adapters(trainer.loggers, output_dir / "checkpoints" / "adapters" / "last")
             show_result(output_dir, trainer, exit_code, time.perf_counter() - started)
+    except BaseException as err:
+        if not cbs.stop.pressed_twice(err):
+            raise
+        log.warning("stopped at once by a second Ctrl-C; the checkpoints saved before it are intact")
+        raise SystemExit(128 + signal.SIGINT) from None
     finally:
         cbs.engine.close(module)
         cast(Any, module).close()  # its workers (the async rollout producer)
@@ -252,16 +257,9 @@ def _train(
     exit_code = 0
     if cfg.eval.before_training and not ckpt_path:
         trainer.validate(module, datamodule=dm, verbose=False)
-    try:  # checkpoints hold tensors and plain data only: loaded without unpickling code
-        trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path, weights_only=True)
-    except BaseException:
-        # A second Ctrl-C: Lightning exits 1 on a KeyboardInterrupt (the guard's code), and one
-        # that lands inside a checkpoint save surfaces as torch's writer error instead. That save
-        # is dropped whole (atomic): the checkpoints written before it are intact.
-        if cbs.stop.interrupted:
-            log.warning("stopped at once by a second Ctrl-C; the checkpoints saved before it are intact")
-            raise SystemExit(128 + signal.SIGINT) from None
-        raise
+    # Checkpoints hold tensors and plain data only: loaded without unpickling code. (A second
+    # Ctrl-C inside the fit ends in Lightning's exit code 1, which ``_fit`` turns into 130.)
+    trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path, weights_only=True)
     if cbs.stop.stopped_by is not None:  # checkpoint saved at the signal's step
         exit_code = 128 + cbs.stop.stopped_by
     elif cbs.guard.stop_reason is not None:

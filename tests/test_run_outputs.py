@@ -113,6 +113,34 @@ def test_a_second_ctrl_c_during_the_stop_checkpoint_exits_130(tmp_path, monkeypa
     assert torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
 
 
+def test_a_second_ctrl_c_after_the_fit_exits_130(tmp_path, monkeypatch):
+    """The second Ctrl-C lands once the fit has stopped, in the final adapter export, where
+    Python's own handler is back: still 130, and the stop's checkpoint is there."""
+    from rlhf_lightning.callbacks.adapters import AdapterExport
+    from rlhf_lightning.callbacks.signals import StopOnSignal
+    from rlhf_lightning.run import run
+
+    real_batch_end = StopOnSignal.on_train_batch_end
+
+    def first_press_after_step_2(self, trainer, *args):
+        if trainer.global_step == 2 and not self.received:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_batch_end(self, trainer, *args)
+
+    def second_press(self, trainer, pl_module):
+        os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(StopOnSignal, "on_train_batch_end", first_press_after_step_2)
+    monkeypatch.setattr(AdapterExport, "export_final", second_press)
+    cfg = compose_config(
+        [*FAST, "trainer.max_steps=6", "eval.before_training=false"], output_dir=tmp_path / "run"
+    )
+    with pytest.raises(SystemExit) as stopped:
+        run(cfg)
+    assert stopped.value.code == 128 + signal.SIGINT
+    assert torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
+
+
 def test_a_refused_run_leaves_the_live_runs_hydra_files(tmp_path):
     """A second run naming a live run's output_dir is refused before it writes anything there:
     Hydra's .hydra/ copy is off, and the run writes its own once it owns the directory."""

@@ -53,6 +53,13 @@ class StopOnSignal(L.Callback):
             signal.Signals(signum).name,
         )
 
+    def pressed_twice(self, err: BaseException) -> bool:
+        """Whether ``err`` ended the run because Ctrl-C was pressed a second time: raised by this
+        handler during the fit (Lightning turns it into exit code 1; inside a checkpoint save,
+        torch's zip writer raises its own error over it; the save is atomic, so nothing is
+        half-written), or by Python's own handler once the fit has ended (the final export)."""
+        return self.interrupted or (isinstance(err, KeyboardInterrupt) and self.received == signal.SIGINT)
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # After Lightning's own handlers (registered when the run starts), which it restores later.
         if threading.current_thread() is not threading.main_thread():
