@@ -177,16 +177,11 @@ class RolloutModule(PopulationStep, RolloutEvaluation):
             # 1. Rollout: group_size episodes per prompt row, sampled from the current policy.
             result, metrics = self.collect(batch.tolist())
             result = self.finalize_rewards(result)
-            traj = result.batch.to(self.device)
             self.rollouts_done()
             self.report_phase("log-probs and advantages")
             t_rollout = time.perf_counter() - t_start
-            # 2. Log-probs the update needs, once, without gradients.
-            # None: on-policy, the update's own log-probs (detached); never for a stale batch.
-            old_logp = self.old_logprobs(traj, stale=self.collector.is_stale(result))
-            ref_logp = self.batched_logprobs(traj, reference=True) if self.hp.beta > 0 else None
-            # 3. Score: rewards -> advantages; pick the tokens that count in the loss.
-            scored = self.score(traj, old_logp, ref_logp)
+            # 2-3. The log-probs the update needs, then rewards -> advantages.
+            traj, scored, old_logp, ref_logp = self.scored_batch(result, self.collector.is_stale(result))
             metrics.update(scored.metrics)
         # 4. Optimize: update_epochs x mini-batches, each accumulated over micro-batches.
         metrics.update(self.update(traj, scored, old_logp, ref_logp))
@@ -202,6 +197,21 @@ class RolloutModule(PopulationStep, RolloutEvaluation):
         self.log("reward", metrics["rollout/reward_mean"], prog_bar=True, logger=False)
         self.warn_on_engine_gap(metrics)
         self.keep_samples(result)
+
+    def scored_batch(
+        self, result: RolloutResult, stale: bool = False
+    ) -> tuple[TrajectoryBatch, Scored, torch.Tensor | None, torch.Tensor | None]:
+        """One batch of finalised episodes made ready for :meth:`update`: the batch on the device,
+        scored, and its behaviour and reference log-probs.
+
+        2. The log-probs the update needs, once, without gradients (behaviour log-probs None:
+           on-policy, the update's own, detached; never for a ``stale`` batch).
+        3. Score: rewards -> advantages; pick the tokens that count in the loss.
+        """
+        traj = result.batch.to(self.device)
+        old_logp = self.old_logprobs(traj, stale=stale)
+        ref_logp = self.batched_logprobs(traj, reference=True) if self.hp.beta > 0 else None
+        return traj, self.score(traj, old_logp, ref_logp), old_logp, ref_logp
 
     def finalize_rewards(self, result: RolloutResult) -> RolloutResult:
         """The step's training rewards once its batch is final (after every refill round): the

@@ -272,11 +272,15 @@ class MemberAPI:
         head = self.member_value_heads[k] if self.policy.value_head is not None else None
         return self._keyed([member for member, _ in self._slots(k)], head)
 
+    def member_weights(self, k: int) -> dict[str, torch.Tensor]:
+        """Member ``k``'s weights by name, detached but not copied: to read, never to keep."""
+        return {n: p.detach() for n, p in self._member_params(k).items()}
+
     def member_state(self, k: int) -> dict[str, Any]:
         """Copies of everything member ``k`` is: its adapters' weights, its optimizer's and
         schedule's state, its hyper-parameters."""
         return {
-            "weights": {n: p.detach().clone() for n, p in self._member_params(k).items()},
+            "weights": {n: w.clone() for n, w in self.member_weights(k).items()},
             "optimizer": copy.deepcopy(self.member_optimizer(k).state_dict()),
             "scheduler": copy.deepcopy(self.member_scheduler(k).state_dict()),
             "hparams": dict(cast(MemberBank, self.members).hparams[k]),

@@ -94,12 +94,8 @@ class PopulationStep(MemberAPI):
             with self.use_member(k):
                 module.report_phase(f"member {k + 1}/{bank.size}")
                 result = module.finalize_rewards(results[name])
-                traj = result.batch.to(self.device)
-                old_logp = module.old_logprobs(traj)
-                ref_logp = module.batched_logprobs(traj, reference=True) if self.hp.beta > 0 else None
-                scored = module.score(traj, old_logp, ref_logp)
-                metrics = dict(scored.metrics)
-                metrics.update(module.update(traj, scored, old_logp, ref_logp))
+                traj, scored, old_logp, ref_logp = module.scored_batch(result)
+                metrics = {**scored.metrics, **module.update(traj, scored, old_logp, ref_logp)}
                 metrics.update(rollout_metrics(traj, result.metrics))
             per_member.append(metrics)
         step_s = time.perf_counter() - t_start

@@ -81,7 +81,7 @@ class SideBySidePopulation(Generations, L.Callback):
 
     def member_digest(self, slot: int) -> list[float]:
         """The sum of the member's adapter weights in float64."""
-        weights = self.module.member_state(slot)["weights"].values()
+        weights = self.module.member_weights(slot).values()
         return [float(sum(w.double().sum() for w in weights))]
 
     # ------------------------------------------------------------------ state
