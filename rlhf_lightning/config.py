@@ -256,8 +256,10 @@ class PopulationConfig:
 
     size: int = 1
     # Members side by side: every training step is one rollout for all members (one engine call,
-    # per-row adapters) and one update of each; false: members take turns, one per training step.
-    batched: bool = False
+    # per-row adapters) and one update of each; false: members take turns, one per training step
+    # (round-robin); null: side by side unless the run needs round-robin (full fine-tuning,
+    # dynamic sampling).
+    batched: bool | None = None
     # Between evolutions: training steps (all members together; default 50 x size) round-robin,
     # population steps (default 50) side by side; 0: never.
     evolve_every: int | None = None

@@ -10,6 +10,7 @@ the factory (and the constructor it reaches).
 
 from __future__ import annotations
 
+import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,13 +39,15 @@ from rlhf_lightning.envs.harness import RolloutHarness
 from rlhf_lightning.models.build import build_policy, load_model, load_tokenizer
 from rlhf_lightning.models.policy import Policy
 from rlhf_lightning.population.callback import Population
-from rlhf_lightning.population.checks import default_evolve_every
+from rlhf_lightning.population.checks import default_evolve_every, side_by_side
 from rlhf_lightning.population.evolution import DEFAULT_SPACE, MutationRange
 from rlhf_lightning.population.side_by_side import SideBySidePopulation
 from rlhf_lightning.rewards import CombinedReward, build_reward
 from rlhf_lightning.rollout.callback import RolloutEngineCallback
 from rlhf_lightning.rollout.engine import SamplingParams
 from rlhf_lightning.rollout.hf import HFEngine
+
+log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------- model, env, engine
@@ -182,12 +185,18 @@ def training_reward(rw: DictConfig) -> CombinedReward | None:
     return build_reward(list(rw.sources), fns, weights, model_kwargs)
 
 
-def population_callback(p: DictConfig, output_dir: Path, seed: int) -> Population | SideBySidePopulation:
-    """The ``population`` config as a :class:`Population` callback (round-robin), or with
-    ``population.batched=true`` a :class:`SideBySidePopulation`."""
+def population_callback(cfg: DictConfig, output_dir: Path) -> Population | SideBySidePopulation:
+    """The ``population`` config as a :class:`SideBySidePopulation` callback, or with
+    ``population.batched=false`` (or a run that needs it, :func:`side_by_side`) a round-robin
+    :class:`Population`."""
+    p = cfg.population
     space = {name: MutationRange(**dict(r)) for name, r in (p.mutate or DEFAULT_SPACE).items()}
-    batched = bool(p.get("batched", False))
+    batched = side_by_side(cfg)
     kind = SideBySidePopulation if batched else Population
+    why = (
+        " (population.batched=null and this run needs it)" if p.get("batched") is None and not batched else ""
+    )
+    log.info("population of %d: members %s%s", p.size, "side by side" if batched else "round-robin", why)
     return kind(
         p.size,
         p.evolve_every if p.evolve_every is not None else default_evolve_every(p.size, batched),
@@ -201,7 +210,7 @@ def population_callback(p: DictConfig, output_dir: Path, seed: int) -> Populatio
         mutate_initial=p.mutate_initial,
         snapshot_every=p.snapshot_every,
         keep_snapshots=p.keep_snapshots,
-        seed=seed,
+        seed=cfg.seed,
     )
 
 
@@ -371,7 +380,7 @@ def run_callbacks(cfg: DictConfig, output_dir: Path, extra: list[L.Callback]) ->
     if lines_every != 0 and not sys.stdout.isatty():  # a log file, CI, SLURM: the bar shows nothing there
         callbacks.append(ProgressLog(lines_every or auto_every(cfg.trainer.max_steps)))
     if cfg.population.size > 1:
-        callbacks.insert(0, population_callback(cfg.population, output_dir, cfg.seed))
+        callbacks.insert(0, population_callback(cfg, output_dir))
     callbacks.append(SameConfigOnAllRanks(config_digest(cfg)))
     if cfg.optimized_metric:
         callbacks.append(CheckOptimizedMetric(cfg.optimized_metric))

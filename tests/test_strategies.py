@@ -237,7 +237,7 @@ def test_population_side_by_side_under_ddp_ranks_agree_on_members(tmp_path):
 def test_population_under_ddp_ranks_agree_on_selection(tmp_path):
     out = tmp_path / "run"
     train(
-        tmp_path, *DDP, "population.size=2", "population.evolve_every=2", "population.eval_rows=8",
+        tmp_path, *DDP, "population.size=2", "population.batched=false", "population.evolve_every=2", "population.eval_rows=8",
         "population.mutate_initial=true", "population.no_mutation_prob=0", "trainer.max_steps=4",
         f"output_dir={out}",
     )  # fmt: skip

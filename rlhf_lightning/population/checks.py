@@ -203,7 +203,7 @@ def validate_population(p: DictConfig, spec: Any, cfg: DictConfig) -> None:
         f"ddp with population.size={p.size} (members are swapped in and out of the policy's weights, "
         "which FSDP shards; the run would hang at the end): use strategy=ddp, or population.size=1",
     )
-    batched = bool(p.get("batched", False))
+    batched = side_by_side(cfg)
     every = default_evolve_every(p.size, batched) if p.evolve_every is None else p.evolve_every
     if batched:
         check(
@@ -241,6 +241,15 @@ def validate_population(p: DictConfig, spec: Any, cfg: DictConfig) -> None:
         check(ok, f"population.mutate.{name}", r, "{low, high, scale} with 0 <= low <= high and scale > 1")
     algo = cast(dict[str, Any], OmegaConf.to_container(cfg.algo, resolve=True))
     validate_space(mutate, algo, cfg.model.finetune, configured_world_size(cfg))
+
+
+def side_by_side(cfg: DictConfig) -> bool:
+    """Whether the population's members train side by side: ``population.batched``; when null,
+    whenever the run allows it (LoRA members, no dynamic sampling), else round-robin."""
+    batched = cfg.population.get("batched")
+    if batched is not None:
+        return bool(batched)
+    return bool(cfg.model.finetune == "lora" and not cfg.algo.get("dynamic_sampling", False))
 
 
 def default_evolve_every(size: int, batched: bool) -> int:

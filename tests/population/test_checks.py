@@ -11,9 +11,11 @@ from types import SimpleNamespace
 import pytest
 
 from rlhf_lightning.errors import ConfigError
+from rlhf_lightning.factories import population_callback
 from rlhf_lightning.population.callback import Population
-from rlhf_lightning.population.checks import check_member, value_problem
+from rlhf_lightning.population.checks import check_member, side_by_side, value_problem
 from rlhf_lightning.population.evolution import MutationRange, mutate
+from rlhf_lightning.population.side_by_side import SideBySidePopulation
 from rlhf_lightning.validation import validate
 from tests.conftest import FAST, compose_config
 
@@ -30,6 +32,28 @@ def test_population_under_fsdp_is_refused_with_the_fix(tmp_path):
     msg = refused(tmp_path, "strategy=fsdp")
     assert "strategy.name='fsdp'" in msg and "population.size=2" in msg and "use strategy=ddp" in msg
     validate(compose_config([*POP, "strategy=ddp"], output_dir=tmp_path))  # ddp is fine
+
+
+def test_members_go_side_by_side_unless_the_run_needs_round_robin(tmp_path):
+    """population.batched=null (the default): side by side with LoRA members, round-robin for full
+    fine-tuning and dynamic sampling, which side by side does not cover; an explicit value wins."""
+
+    def composed(*overrides: str):
+        cfg = compose_config([*POP, *overrides], output_dir=tmp_path)
+        validate(cfg)  # each of these runs is accepted
+        return cfg
+
+    assert side_by_side(cfg := composed())
+    assert type(population_callback(cfg, tmp_path)) is SideBySidePopulation
+    for overrides in [
+        ("model.finetune=full",),
+        ("algo.dynamic_sampling=true",),
+        ("population.batched=false",),
+    ]:
+        assert not side_by_side(cfg := composed(*overrides)), overrides
+        assert type(population_callback(cfg, tmp_path)) is Population
+    msg = refused(tmp_path, "population.batched=true", "model.finetune=full")
+    assert "model.finetune='full'" in msg and "population.batched=false" in msg
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,7 @@ from tests.conftest import FAST, compose_config
 POP = [
     *FAST,
     "population.size=2",
+    "population.batched=false",  # round-robin (test_side_by_side.py: side by side)
     "population.evolve_every=2",
     "population.eval_rows=8",
     "population.mutate_initial=true",
@@ -166,7 +167,12 @@ def test_background_snapshot_equals_the_state_at_its_step(tmp_path):
 
 def test_population_config_errors_are_named(tmp_path):
     with pytest.raises(ConfigError, match=r"population\.evolve_every=3.*multiple of population\.size=2"):
-        validate(compose_config(["population.size=2", "population.evolve_every=3"], output_dir=tmp_path))
+        validate(
+            compose_config(
+                ["population.size=2", "population.batched=false", "population.evolve_every=3"],
+                output_dir=tmp_path,
+            )
+        )
     with pytest.raises(ConfigError, match=r"population\.mutate"):
         validate(
             compose_config(

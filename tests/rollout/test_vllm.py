@@ -257,7 +257,7 @@ def test_population_members_take_turns_on_one_engine(tmp_path):
 
     out = tmp_path / "run"
     cfg = compose_config(
-        [*FAST, "rollout=vllm", "algo.lr=1e-2", "population.size=2", "population.evolve_every=2",
+        [*FAST, "rollout=vllm", "algo.lr=1e-2", "population.size=2", "population.batched=false", "population.evolve_every=2",
          "population.eval_rows=8", "population.mutate_initial=true", "trainer.max_steps=4",
          "checkpoint.every_n_steps=0", "eval.before_training=false", "eval.at_end=false",
          "trainer.val_check_interval=100"],
