@@ -106,7 +106,7 @@ def test_clone_at_evolution_copies_the_parent_exactly(tmp_path):
     )
     from rlhf_lightning.run import population_callback
 
-    spy = population_callback(cfg.population, tmp_path / "r", 0)
+    spy = population_callback(cfg, tmp_path / "r")
     spy.__class__ = Spy
     cfg.population.size = 1  # the spy is the only population callback
     run(cfg, extra_callbacks=[spy])

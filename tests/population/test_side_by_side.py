@@ -178,7 +178,7 @@ def test_evolution_clones_the_parent_exactly_into_its_slot(tmp_path):
     cfg = compose_config([*POP, "trainer.max_steps=4"], output_dir=tmp_path / "r")
     from rlhf_lightning.run import population_callback
 
-    spy = population_callback(cfg.population, tmp_path / "r", 0)
+    spy = population_callback(cfg, tmp_path / "r")
     spy.__class__ = Spy
     cfg.population.size = 1  # the spy is the only population callback
     run(cfg, extra_callbacks=[spy])
@@ -282,8 +282,8 @@ def test_ranks_whose_member_weights_differ_stop_the_run():
     class FakeModule:
         world_size, device = 2, "cpu"
 
-        def member_state(self, k):
-            return {"weights": {"0:w": torch.full((2, 2), float(k))}}
+        def member_weights(self, k):
+            return {"0:w": torch.full((2, 2), float(k))}
 
         def all_gather(self, t):
             other = t.clone()
