@@ -22,7 +22,7 @@ from typing import Any, cast
 import torch
 from peft import PeftModel
 
-from rlhf_lightning.algorithms.optimizer import adamw_with_schedule, refresh_reference
+from rlhf_lightning.algorithms.optimizer import adamw_with_schedule, refresh_reference, set_base_lrs
 from rlhf_lightning.errors import ConfigError
 from rlhf_lightning.models.adapters import copy_adapter
 
@@ -173,11 +173,7 @@ class MemberAPI:
         bank.hparams[k] = dict(hparams)
         opt, sched = self.member_optimizer(k), self.member_scheduler(k)
         hp = self.member_hp(k)
-        lrs = [group.get("lr", hp.lr) for group in cast(Any, self).param_groups(hp)]
-        sched.base_lrs = list(lrs)
-        for group, lr, fn in zip(opt.param_groups, lrs, sched.lr_lambdas):
-            group["initial_lr"] = lr
-            group["lr"] = lr * fn(sched.last_epoch)
+        set_base_lrs(opt, sched, [group.get("lr", hp.lr) for group in cast(Any, self).param_groups(hp)])
 
     # ---------------------------------------------------------------- optimizers
     def optimizer_index(self) -> int | None:
@@ -221,7 +217,7 @@ class MemberAPI:
         bank = cast(MemberBank, self.members)
         self.show_member(k)
         self.hp, self.sampling = self.member_hp(k), self.member_sampling(k)
-        key = (tuple(sorted(bank.hparams[k].items())),)
+        key = tuple(sorted(bank.hparams[k].items()))
         if key not in self._objectives:
             self._objectives[key] = cast(Any, self).build_objective()
         self.objective = self._objectives[key]

@@ -37,6 +37,15 @@ def adamw_with_schedule(params: Iterable[Any], hp: Any, total_steps: int) -> dic
     return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+def set_base_lrs(opt: torch.optim.Optimizer, sched: Any, lrs: list[float]) -> None:
+    """New peak learning rates, one per param group, for an optimizer under a ``LambdaLR``
+    schedule: each group's current lr follows at once, the schedule's position is kept."""
+    sched.base_lrs = list(lrs)
+    for group, lr, fn in zip(opt.param_groups, lrs, sched.lr_lambdas):
+        group["initial_lr"] = lr
+        group["lr"] = lr * fn(sched.last_epoch)
+
+
 def clip_global_norm(
     params: list[torch.nn.Parameter],
     max_norm: float | None,

@@ -14,6 +14,7 @@ from typing import Any, cast
 
 import torch
 
+from rlhf_lightning.algorithms.optimizer import set_base_lrs
 from rlhf_lightning.population.members import Member, copy_into
 
 MEMBER_COUNTERS = ("learn_steps",)  # module attributes each member carries (PPO's critic warm-up)
@@ -108,10 +109,7 @@ class ResidentMember:
         critic_lr = getattr(self._base_hp, "lr_critic", None)
         if critic_lr is not None and len(lrs) > 1:
             lrs[1] = critic_lr  # PPO's critic keeps its own configured lr
-        sched.base_lrs = list(lrs)
-        for group, base, fn in zip(opt.param_groups, lrs, sched.lr_lambdas):
-            group["initial_lr"] = base
-            group["lr"] = base * fn(sched.last_epoch)
+        set_base_lrs(opt, sched, lrs)
         module.objective = module.build_objective()
 
     def refresh_reference(self) -> None:
