@@ -44,6 +44,20 @@ sys.path.insert(0, str(ROOT))
 LR_LOW, LR_HIGH = 1e-5, 1e-2
 
 
+# What a benchmark run needs none of: evaluation outside its own, checkpoints, exports, sample
+# tables, the progress bar.
+QUIET_RUN = [
+    "eval.before_training=false",
+    "eval.at_end=false",
+    "checkpoint.every_n_steps=0",
+    "checkpoint.save_last=false",
+    "checkpoint.export_adapters=false",
+    "checkpoint.monitor=null",
+    "samples.every_n_steps=0",
+    "trainer.enable_progress_bar=false",
+]
+
+
 def overrides(args: argparse.Namespace, seed: int, out: Path) -> list[str]:
     """What both arms share: the default task, one thread, evaluation (``--metric``) on the same rows."""
     return [
@@ -53,14 +67,7 @@ def overrides(args: argparse.Namespace, seed: int, out: Path) -> list[str]:
         f"eval.batch_size={args.eval_rows}",
         f"eval.sampled={args.metric == 'sampled'}",
         f"eval.greedy={args.metric == 'greedy'}",
-        "eval.before_training=false",
-        "eval.at_end=false",
-        "checkpoint.every_n_steps=0",
-        "checkpoint.save_last=false",
-        "checkpoint.export_adapters=false",
-        "checkpoint.monitor=null",
-        "samples.every_n_steps=0",
-        "trainer.enable_progress_bar=false",
+        *QUIET_RUN,
         f"output_dir={out}",
     ]
 

@@ -26,16 +26,15 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout
+sys.path.insert(0, str(ROOT / "bench"))
+
+from population import QUIET_RUN, compose  # noqa: E402  (bench/population.py)
 
 
 def step_times(members: int, steps: int, threads: int, work: Path) -> list[float]:
     """``perf/step_s`` of every training step of one run with ``members`` (1: a single run)."""
-    from hydra import compose, initialize_config_dir
-
-    from rlhf_lightning.config import register_configs
     from rlhf_lightning.run import run
 
-    register_configs()
     out = Path(tempfile.mkdtemp(dir=work))
     extra = [f"population.size={members}", "population.batched=true", "population.evolve_every=0"]
     overrides = [
@@ -43,19 +42,10 @@ def step_times(members: int, steps: int, threads: int, work: Path) -> list[float
         f"trainer.max_steps={steps * members}",  # member updates: steps population steps
         f"num_threads={threads}",
         "trainer.val_check_interval=100000",
-        "eval.before_training=false",
-        "eval.at_end=false",
-        "checkpoint.every_n_steps=0",
-        "checkpoint.save_last=false",
-        "checkpoint.export_adapters=false",
-        "checkpoint.monitor=null",
-        "samples.every_n_steps=0",
-        "trainer.enable_progress_bar=false",
+        *QUIET_RUN,
         f"output_dir={out}",
     ]
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = compose(config_name="config", overrides=overrides)
-    run(cfg)
+    run(compose(overrides))
     with (out / "metrics.csv").open() as f:
         return [float(r["perf/step_s"]) for r in csv.DictReader(f) if r.get("perf/step_s")]
 

@@ -15,6 +15,7 @@ import pytest
 
 from rlhf_lightning.run import checkpoint_step
 from tests.conftest import ROOT
+from tests.population.test_side_by_side import MEMBERS
 
 pytestmark = pytest.mark.slow
 
@@ -34,14 +35,7 @@ ALGOS = {
     "dapo": ["algo=dapo"],
     "ppo": ["algo=ppo"],
     # members side by side: each member's adapter, optimizer, schedule and the evolution's state
-    "population_side_by_side": [
-        "population.size=2",
-        "population.batched=true",
-        "population.evolve_every=1",
-        "population.eval_rows=8",
-        "population.mutate_initial=true",
-        "population.no_mutation_prob=0",
-    ],
+    "population_side_by_side": MEMBERS,
 }
 
 

@@ -19,14 +19,18 @@ from rlhf_lightning.run import run
 from rlhf_lightning.validation import validate
 from tests.conftest import FAST, compose_config
 
-POP = [
-    *FAST,
+# Two members side by side, evolved every population step from mutated starts (test_resume.py too).
+MEMBERS = [
     "population.size=2",
     "population.batched=true",
     "population.evolve_every=1",
     "population.eval_rows=8",
     "population.mutate_initial=true",
     "population.no_mutation_prob=0",
+]
+POP = [
+    *FAST,
+    *MEMBERS,
     "algo.lr=0.001",
     "trainer.val_check_interval=100",
     "eval.before_training=false",
