@@ -91,9 +91,11 @@ class RolloutConfig:
     # async: batch t is generated with the weights after update t - max_staleness (0: lockstep,
     # the synchronous run's batches through the producer)
     max_staleness: int = 1
-    partial: bool = (
-        False  # async: turn j of a multi-turn batch uses j versions newer weights (up to the current)
-    )
+    # async, multi-turn: later turns of an episode in flight use newer weights than its first
+    partial: bool = False
+    # partial: newest (each turn the newest version published when it starts, never waiting) |
+    # planned (turn j of batch s: min(s - K + j, s), reproducible, but waits for those weights)
+    partial_versions: str = "newest"
     producer_threads: int | None = None  # async: the producer's torch threads; null: the trainer's
     async_timeout_s: float = (
         600.0  # async: the longest wait for the producer before the run stops with an error
@@ -131,8 +133,12 @@ class EnvConfig:
     max_model_len: int = 512
     # raise (show prompt and completion) | zero (score 0, count env/reward_errors)
     on_reward_error: str = "raise"
-    concurrency: int = 1  # env steps of a turn run at once (threads); 1: one after the other
-    step_timeout_s: float | None = None  # a step that takes longer is cut (on_reward_error decides)
+    concurrency: int = 1  # env steps of a turn run at once; 1: one after the other
+    # a step that takes longer is stopped (its worker process killed; on_reward_error decides)
+    step_timeout_s: float | None = None
+    # where steps run when concurrency > 1 or step_timeout_s is set: process (worker processes;
+    # envs must pickle) | thread (no step_timeout_s: a thread cannot be stopped)
+    step_workers: str = "process"
     train_size: int | None = None  # rows per split, for envs without num_rows()
     eval_size: int | None = None
 

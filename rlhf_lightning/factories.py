@@ -82,6 +82,7 @@ def harness_from(cfg: DictConfig, tokenizer: Any, spec: AlgorithmSpec) -> tuple[
         reward=training_reward(cfg.reward) if spec.data == "online" else None,
         concurrency=e.concurrency,
         step_timeout_s=e.step_timeout_s,
+        step_workers=e.step_workers,
     )
     return harness, train_rows, eval_rows
 
@@ -240,18 +241,20 @@ class ProducerBuild:
         return harness, engine, policy
 
 
-def async_rollouts_from(cfg: DictConfig) -> AsyncRollouts | None:
-    """The ``rollout`` node's producer (``mode=async``), or None (``sync``)."""
+def async_rollouts_from(cfg: DictConfig, output_dir: Path | None = None) -> AsyncRollouts | None:
+    """The ``rollout`` node's producer (``mode=async``; its spool in ``output_dir``), or None (``sync``)."""
     r = cfg.rollout
     if r.mode != "async":
         return None
     settings = AsyncSettings(
         max_staleness=r.max_staleness,
         partial=r.partial,
+        partial_versions=r.partial_versions,
         timeout_s=r.async_timeout_s,
         threads=r.producer_threads or torch.get_num_threads(),
         seed=cfg.seed,
         devices=tuple(r.devices) if r.devices is not None else None,
+        spool_dir=str(output_dir) if output_dir is not None else None,
     )
     return AsyncRollouts(ProducerBuild(OmegaConf.to_yaml(cfg, resolve=True)), settings, cfg.env.max_turns)
 
@@ -285,7 +288,7 @@ def build(cfg: DictConfig, output_dir: Path) -> tuple[L.LightningModule, L.Light
             **evals,
             num_samples_to_keep=cfg.samples.num,
             num_train_rows=train_rows,
-            async_rollouts=async_rollouts_from(cfg),
+            async_rollouts=async_rollouts_from(cfg, output_dir),
         )
         dm: L.LightningDataModule = PromptDataModule(
             train_rows, eval_rows, a.prompts_per_step, cfg.eval.batch_size, seed=cfg.seed

@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from rlhf_lightning.algorithms.checks import resolve_clip_defaults
 from rlhf_lightning.callbacks.configured import check_configured_callbacks
+from rlhf_lightning.envs.stepping import STEP_WORKERS
 from rlhf_lightning.errors import ConfigError, check
 from rlhf_lightning.field_checks import LOGGERS, early_checks, is_typed, validate_optim
 from rlhf_lightning.losses import POLICY_LOSSES
@@ -269,6 +270,18 @@ def validate_reward_and_env(cfg: DictConfig) -> None:
         "env.step_timeout_s",
         e.step_timeout_s,
         "> 0 seconds, or null (no limit)",
+    )
+    check(
+        e.step_workers in STEP_WORKERS,
+        "env.step_workers",
+        e.step_workers,
+        f"one of {', '.join(STEP_WORKERS)}",
+    )
+    check(
+        e.step_workers == "process" or e.step_timeout_s is None,
+        "env.step_timeout_s",
+        e.step_timeout_s,
+        "null with env.step_workers=thread (a thread cannot be stopped); or set env.step_workers=process",
     )
     check(
         e.on_reward_error in ("raise", "zero"), "env.on_reward_error", e.on_reward_error, "one of raise, zero"

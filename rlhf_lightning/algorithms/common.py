@@ -17,6 +17,7 @@ from rlhf_lightning.algorithms.update_plan import lockstep
 from rlhf_lightning.models.sharding import is_sharded
 from rlhf_lightning.runtime import rng
 from rlhf_lightning.runtime.distributed import all_sum, no_backward_sync, reduce_metrics, sync_gradients
+from rlhf_lightning.runtime.workers import close_shared_pools
 from rlhf_lightning.strategies import split_global
 
 Metrics = dict[str, torch.Tensor]
@@ -209,7 +210,12 @@ class ModuleMixin(L.LightningModule):
             self._pending_rng = states[self.rank] if self.rank < len(states) else states[0]
 
     def close(self) -> None:
-        """Stop any worker of the module's own (the run calls this at its end, also on failure)."""
+        """Stop the module's worker processes: the env stepper's and the tool calls' (the run
+        calls this at its end, also on failure; a later rollout starts new ones)."""
+        harness = getattr(self, "harness", None)
+        if harness is not None:
+            harness.close()
+        close_shared_pools()
 
     def rng_generators(self) -> dict[str, torch.Generator]:
         """Generators of the module's own that a resume must restore (beside the global ones)."""

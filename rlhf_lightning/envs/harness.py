@@ -75,8 +75,10 @@ class RolloutHarness:
             the episode and counts it in ``env/reward_errors`` (timeouts also in
             ``env/step_timeouts``).
         reward: the training reward when it is not the env's alone (``reward=function|model``).
-        concurrency: envs stepped at once within a turn (threads; 1: one after the other).
-        step_timeout_s: a step that takes longer is cut (None: no limit).
+        concurrency: envs stepped at once within a turn (1: one after the other).
+        step_timeout_s: a step that takes longer is stopped (None: no limit).
+        step_workers: where steps run at once or with a limit: ``process`` (worker processes:
+            a step past its limit is killed) or ``thread`` (no limit); see ``envs.stepping``.
     """
 
     def __init__(
@@ -90,10 +92,11 @@ class RolloutHarness:
         reward: CombinedReward | None = None,
         concurrency: int = 1,
         step_timeout_s: float | None = None,
+        step_workers: str = "process",
     ) -> None:
         if on_reward_error not in ("raise", "zero"):
             raise ValueError(f"on_reward_error must be raise or zero, got {on_reward_error!r}")
-        self.stepper = EnvStepper(concurrency, step_timeout_s)
+        self.stepper = EnvStepper(concurrency, step_timeout_s, step_workers)
         self.on_reward_error = on_reward_error
         self.reward = reward
         self.env_factory = env_factory
@@ -257,6 +260,7 @@ class RolloutHarness:
             outcomes = self.stepper.step_all([envs[i] for i in live], replies)
             still = []
             for i, comp, text, outcome in zip(live, completions, replies, outcomes):
+                envs[i] = outcome.env  # a worker process steps a copy of the env
                 going, failed = self._after_step(
                     envs[i], trajs[i], comp, text, outcome, params.max_new_tokens
                 )
@@ -331,6 +335,10 @@ class RolloutHarness:
         traj.sampling_logps += [0.0] * len(ids)
         traj.observations.append(obs)
         return True, failed
+
+    def close(self) -> None:
+        """Stop the stepper's worker processes and threads (a later rollout starts new ones)."""
+        self.stepper.close()
 
     @staticmethod
     def _metrics(trajs: list[Trajectory]) -> dict[str, float]:

@@ -151,7 +151,7 @@ class CalculatorToolEnv(ToolEnv):
         seed, train_size, eval_size: the problems, as in ``ToolCalcEnv``.
         tools: default ``[calculator]``; dotted paths work (``env.kwargs.tools``).
         **tool_env: ``parser``, ``max_tool_calls``, ``tool_timeout_s``, ``call_reward``,
-            ``error_penalty``, ``max_result_chars`` (see :class:`ToolEnv`).
+            ``error_penalty``, ``max_result_chars``, ``tool_workers`` (see :class:`ToolEnv`).
     """
 
     def __init__(
@@ -166,6 +166,7 @@ class CalculatorToolEnv(ToolEnv):
         call_reward: float = 0.0,
         error_penalty: float = 0.0,
         max_result_chars: int = 2000,
+        tool_workers: int = 2,
     ) -> None:
         super().__init__(
             tools if tools is not None else [calculator],
@@ -175,6 +176,7 @@ class CalculatorToolEnv(ToolEnv):
             call_reward=call_reward,
             error_penalty=error_penalty,
             max_result_chars=max_result_chars,
+            tool_workers=tool_workers,
         )
         self.seed, self.train_size, self.eval_size = seed, train_size, eval_size
         self.answer: int | None = None

@@ -14,15 +14,30 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import pickle
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from rlhf_lightning.envs.base import Message, Observation
-from rlhf_lightning.envs.stepping import StepTimeout, call_with_timeout
 from rlhf_lightning.envs.tool_parsers import TOOL_PARSERS, MalformedCall, ToolCall, get_tool_parser
 from rlhf_lightning.errors import ConfigError
+from rlhf_lightning.runtime.workers import Outcome, call_inline, in_worker, shared_pool
 
 LIMIT_NOTE = "(that was the last tool call allowed in this episode: reply with your final answer)"
+
+
+def run_tool(
+    fn: Callable[..., Any], arguments: dict[str, Any], timeout_s: float | None, workers: int
+) -> Outcome:
+    """``fn(**arguments)`` stopped at ``timeout_s``: in a worker process of this process's tool
+    pool (``workers`` processes; a call past its limit kills its worker, so nothing keeps
+    running), or, when the env itself is stepped inside a worker (``env.step_timeout_s``), in
+    that worker under a signal timer. Without a limit: a plain call."""
+    if timeout_s is None:
+        return call_inline(lambda: fn(**arguments), None)
+    if in_worker():
+        return call_inline(lambda: fn(**arguments), timeout_s)
+    return shared_pool("tools", workers).call(fn, kwargs=arguments, timeout_s=timeout_s)
 
 
 def resolve_tool(tool: Any) -> Callable[..., Any]:
@@ -39,6 +54,21 @@ def resolve_tool(tool: Any) -> Callable[..., Any]:
     if not callable(tool) or isinstance(tool, type):
         raise ConfigError("env.kwargs.tools", tool, "a function, or the dotted path of one")
     return tool
+
+
+def check_picklable(fn: Callable[..., Any]) -> None:
+    """A tool with a time limit runs in a worker process, which gets it pickled (by name): a
+    ConfigError with the fix for one that cannot be (a lambda, a function defined in a function)."""
+    try:
+        pickle.dumps(fn)
+    except Exception as err:
+        raise ConfigError(
+            "env.kwargs.tools",
+            getattr(fn, "__qualname__", repr(fn)),
+            "a module-level function: tools with a time limit run in worker processes, which import "
+            f"them by name ({err}); or set env.kwargs.tool_timeout_s=null to run them in the env's "
+            "own process without a limit",
+        ) from None
 
 
 @functools.lru_cache(maxsize=256)
@@ -144,6 +174,15 @@ def result_text(value: Any, max_chars: int) -> str:
     return text
 
 
+class CallResult(NamedTuple):
+    """One tool call's message content and what happened."""
+
+    content: str
+    valid: bool  # a known tool with arguments that fit: it ran
+    failed: bool = False  # it raised or ran over its limit
+    timed_out: bool = False
+
+
 class ToolEnv:
     """A task the model may solve with tools: subclasses pose it and score the final answer.
 
@@ -154,11 +193,13 @@ class ToolEnv:
       together the next observation (the chat template renders them). Each call's arguments are
       checked against the tool's schema first; an unknown tool, missing, unknown or wrongly
       typed arguments, or a malformed call (e.g. invalid JSON) is not run and its message says
-      what was wrong (``error: ...``). A valid call runs with a time limit (``tool_timeout_s``;
-      in a thread that is abandoned when it runs over, like ``env.step_timeout_s``): its return
-      value (a string as is, anything else as JSON, cut to ``max_result_chars``) is the
-      content, or, when it raises or runs over, ``error: <tool> raised <Type>: <message>`` /
-      ``error: <tool> did not return within <t> s``. The episode goes on.
+      what was wrong (``error: ...``). A valid call runs with a time limit (``tool_timeout_s``)
+      in a worker process (:func:`run_tool`; ``tool_workers`` of them, shared by every env of
+      the process): one that runs over is stopped (its worker killed, a new one started), so
+      nothing of it keeps running. Its return value (a string as is, anything else as JSON, cut
+      to ``max_result_chars``) is the content, or, when it raises or runs over,
+      ``error: <tool> raised <Type>: <message>`` / ``error: <tool> did not return within <t> s``.
+      The episode goes on. Tools must therefore be picklable (module-level functions).
     - ``max_tool_calls`` calls (every call counts, malformed ones too) per episode. Calls beyond
       it in a reply are not run (``error: not run: ...``), and the message of the reply that
       reaches the limit ends with a note that the next reply must be the final answer. A reply
@@ -171,20 +212,22 @@ class ToolEnv:
     known tool with arguments that fit, whether it then returned, raised or ran over) minus
     ``error_penalty`` per invalid one (malformed, unknown tool, bad arguments); refused calls
     beyond the limit score nothing. The episode's return is the answer's score plus this shaping.
-    ``info`` each turn: ``tool_calls`` and ``tool_errors`` (in this reply; errors: invalid calls,
-    raised, timed out), ``correct`` (False until a correct final answer) and ``answered``.
+    ``info`` each turn: ``tool_calls``, ``tool_errors`` (in this reply; errors: invalid calls,
+    raised, timed out) and ``tool_timeouts`` (calls stopped at their limit), ``correct`` (False
+    until a correct final answer) and ``answered``.
 
-    Tools are shared by the envs the harness steps concurrently (``env.concurrency``): they
-    must be thread-safe. Subclasses implement :meth:`new_task` and :meth:`score_answer`.
+    Subclasses implement :meth:`new_task` and :meth:`score_answer`.
 
     Args:
         tools: typed functions with docstrings, or their dotted paths.
         parser: a name in ``envs.tool_parsers.TOOL_PARSERS`` (config: ``rollout.tool_parser``).
         max_tool_calls: calls allowed per episode.
-        tool_timeout_s: a call that takes longer is abandoned (None: no limit).
+        tool_timeout_s: a call that takes longer is stopped (None: no limit; then it runs in the
+            env's own process).
         call_reward: reward per valid call.
         error_penalty: penalty per invalid call.
         max_result_chars: a longer tool result is cut.
+        tool_workers: worker processes for tool calls (the process's pool has the most asked).
     """
 
     def __init__(
@@ -196,6 +239,7 @@ class ToolEnv:
         call_reward: float = 0.0,
         error_penalty: float = 0.0,
         max_result_chars: int = 2000,
+        tool_workers: int = 2,
     ) -> None:
         if parser not in TOOL_PARSERS:
             raise ConfigError(
@@ -209,9 +253,14 @@ class ToolEnv:
             raise ConfigError("env.kwargs.tool_timeout_s", tool_timeout_s, "> 0 seconds, or null (no limit)")
         if max_result_chars < 1:
             raise ConfigError("env.kwargs.max_result_chars", max_result_chars, ">= 1")
+        if tool_workers < 1:
+            raise ConfigError("env.kwargs.tool_workers", tool_workers, ">= 1 worker process")
         fns = [resolve_tool(t) for t in tools]
         if not fns:
             raise ConfigError("env.kwargs.tools", list(tools), "at least one tool")
+        if tool_timeout_s is not None:
+            for fn in fns:
+                check_picklable(fn)
         self.schemas = [tool_schema(fn) for fn in fns]
         names = [s["function"]["name"] for s in self.schemas]
         if len(set(names)) != len(names):
@@ -221,7 +270,7 @@ class ToolEnv:
         self.parse = get_tool_parser(parser)
         self.max_tool_calls, self.tool_timeout_s = max_tool_calls, tool_timeout_s
         self.call_reward, self.error_penalty = call_reward, error_penalty
-        self.max_result_chars = max_result_chars
+        self.max_result_chars, self.tool_workers = max_result_chars, tool_workers
         self.calls = 0
         self._ready = False
 
@@ -260,13 +309,19 @@ class ToolEnv:
         parsed = self.parse(action)
         if not parsed.has_calls:
             score = float(self.score_answer(action))
-            info = {"tool_calls": 0, "tool_errors": 0, "answered": True}
+            info = {"tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0, "answered": True}
             return "", score, True, False, {**info, "correct": self.is_correct(action, score)}
         if self.calls >= self.max_tool_calls:  # told last turn that the next reply must answer
-            info = {"tool_calls": 0, "tool_errors": 0, "answered": False, "correct": False}
+            info = {
+                "tool_calls": 0,
+                "tool_errors": 0,
+                "tool_timeouts": 0,
+                "answered": False,
+                "correct": False,
+            }
             return "", 0.0, True, False, info
         messages: list[Message] = []
-        valid = invalid = errors = refused = 0
+        valid = invalid = errors = refused = timeouts = 0
         for item in parsed.items:
             if self.calls >= self.max_tool_calls:
                 refused += 1
@@ -277,33 +332,41 @@ class ToolEnv:
                 messages.append({"role": "tool", "name": item.name, "content": content})
                 continue
             self.calls += 1
-            content, ok, failed = self.run_call(item)
-            valid += ok
-            invalid += not ok
-            errors += failed or not ok
-            messages.append({"role": "tool", "name": item.name, "content": content})
+            result = self.run_call(item)
+            valid += result.valid
+            invalid += not result.valid
+            errors += result.failed or not result.valid
+            timeouts += result.timed_out
+            messages.append({"role": "tool", "name": item.name, "content": result.content})
         if self.calls >= self.max_tool_calls and not refused:
             messages[-1]["content"] += f"\n{LIMIT_NOTE}"
         reward = self.call_reward * valid - self.error_penalty * invalid
-        info = {"tool_calls": valid + invalid, "tool_errors": errors, "answered": False, "correct": False}
+        info = {
+            "tool_calls": valid + invalid,
+            "tool_errors": errors,
+            "tool_timeouts": timeouts,
+            "answered": False,
+            "correct": False,
+        }
         return messages, reward, False, False, info
 
-    def run_call(self, item: ToolCall | MalformedCall) -> tuple[str, bool, bool]:
+    def run_call(self, item: ToolCall | MalformedCall) -> CallResult:
         """One call's tool-message content, whether the call was valid (a known tool, arguments
-        that fit: it ran) and whether running it failed (raised or timed out)."""
+        that fit: it ran), whether running it failed (raised or timed out) and whether it timed out."""
         if isinstance(item, MalformedCall):
-            return f"error: malformed tool call ({item.error}): {item.text}", False, False
+            return CallResult(f"error: malformed tool call ({item.error}): {item.text}", False)
         if item.name not in self.tools:
             known = ", ".join(self.tools)
-            return f"error: unknown tool {item.name!r}; the tools are: {known}", False, False
+            return CallResult(f"error: unknown tool {item.name!r}; the tools are: {known}", False)
         problems = argument_problems(self._parameters[item.name], item.arguments)
         if problems:
-            return f"error: invalid arguments for {item.name}: {'; '.join(problems)}", False, False
-        fn = self.tools[item.name]
-        outcome = call_with_timeout(lambda: fn(**item.arguments), self.tool_timeout_s)
-        if isinstance(outcome.error, StepTimeout):
-            return f"error: {item.name} did not return within {self.tool_timeout_s:g} s", True, True
+            return CallResult(f"error: invalid arguments for {item.name}: {'; '.join(problems)}", False)
+        outcome = run_tool(self.tools[item.name], item.arguments, self.tool_timeout_s, self.tool_workers)
+        if outcome.timed_out:
+            return CallResult(
+                f"error: {item.name} did not return within {self.tool_timeout_s:g} s", True, True, True
+            )
         if outcome.error is not None:
             err = outcome.error
-            return f"error: {item.name} raised {type(err).__name__}: {err}", True, True
-        return result_text(outcome.output, self.max_result_chars), True, False
+            return CallResult(f"error: {item.name} raised {type(err).__name__}: {err}", True, True)
+        return CallResult(result_text(outcome.output, self.max_result_chars), True)

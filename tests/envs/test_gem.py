@@ -155,6 +155,42 @@ def test_episodes_in_threads_play_as_alone_and_leave_global_rngs_alone():
             assert [r for r, _, _ in alone] == rewards[row][: len(alone)]
 
 
+def test_gem_steps_in_worker_processes_run_in_parallel_and_time_out_alone(tiny_tokenizer):
+    """env.concurrency=4 with a step limit: each GEM step runs in its own worker process, so one
+    step past the limit (row 1 sleeps 3 s) is stopped alone while the other episodes play on, and
+    the trainer's global RNGs are never touched (each env's RNG state travels with it)."""
+    from tests.envs.slow_things import SlowGem
+
+    tok = tiny_tokenizer
+    factory = env_factory("tests.envs.slow_things.SlowGem", {"id": G2048})
+    harness = RolloutHarness(
+        factory,
+        tok,
+        ChatFormatter(tok),
+        max_turns=4,
+        max_model_len=4096,
+        concurrency=4,
+        step_timeout_s=1.0,
+        on_reward_error="zero",
+    )
+    params = SamplingParams(max_new_tokens=32)
+    try:
+        harness.rollout(MoveEngine(tok, G2048), [0, 2, 3, 4], params)  # the four workers are up
+        random.seed(5)
+        np.random.seed(5)
+        before = (random.getstate(), np.random.get_state()[1].copy())
+        result = harness.rollout(MoveEngine(tok, G2048, seed=3), [0, 1, 2, 3], params)
+    finally:
+        harness.close()
+    assert random.getstate() == before[0] and np.array_equal(np.random.get_state()[1], before[1])
+    slow, *others = [result.trajectories[1], *(result.trajectories[i] for i in (0, 2, 3))]
+    assert slow.rewards == [0.0] and slow.num_turns == 1  # its first step was stopped
+    assert result.metrics["env/step_timeouts"] == 1.0
+    assert all(t.num_turns > 1 for t in others)  # not stopped with it
+    assert_replays(G2048, others)
+    assert isinstance(factory(), SlowGem)
+
+
 def test_train_and_eval_seeds_never_meet():
     env = GemEnv(id=GUESS, train_size=1000, eval_size=200, seed=7)
     train = {env.reset(row_index=i)[1]["gem_seed"] for i in range(1000)}

@@ -88,9 +88,10 @@ def test_env_tools_composes_and_validates(fast_cfg):
     cfg = fast_cfg("env=tools", "model=tiny_chat", "rollout.tool_parser=pythonic")
     validate(cfg)
     e = cfg.env
-    assert (e.max_turns, e.concurrency, e.step_timeout_s) == (4, 8, 30.0)
+    # steps on threads; each tool call in a worker process with its own limit
+    assert (e.max_turns, e.concurrency, e.step_timeout_s, e.step_workers) == (4, 8, None, "thread")
     kwargs = OmegaConf.to_container(e.kwargs, resolve=True)
-    assert kwargs["parser"] == "pythonic"
+    assert kwargs["parser"] == "pythonic" and (kwargs["tool_timeout_s"], kwargs["tool_workers"]) == (5.0, 8)
     env = env_factory(e._target_, kwargs)()
     assert isinstance(env, CalculatorToolEnv) and env.tool_schemas() == [get_json_schema(calculator)]
     path = compose_path(fast_cfg)

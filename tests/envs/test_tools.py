@@ -18,34 +18,8 @@ from rlhf_lightning.envs.tool_tasks import TABLE, AddLookupToolEnv, add, lookup
 from rlhf_lightning.envs.tools import LIMIT_NOTE, ToolEnv
 from rlhf_lightning.errors import ConfigError
 from rlhf_lightning.rollout.engine import Completion, SamplingParams
+from tests.envs.slow_things import boom, sleepy, spin
 from tests.envs.tool_helpers import call, tools_tokenizer
-
-RELEASE = threading.Event()  # lets a timed-out sleepy() thread finish at the end of the module
-
-
-def boom(x: int) -> str:
-    """Always fails.
-
-    Args:
-        x: anything
-    """
-    raise RuntimeError(f"boom {x}")
-
-
-def sleepy(seconds: float) -> str:
-    """Sleeps, then answers.
-
-    Args:
-        seconds: how long to sleep
-    """
-    RELEASE.wait(seconds)
-    return "awake"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _release_sleepers():
-    yield
-    RELEASE.set()
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +129,7 @@ def test_errors_become_tool_messages_and_the_episode_goes_on(tok):
     ]
     start = time.monotonic()
     traj = play(tok, failing_env, replies)
-    assert time.monotonic() - start < 3.0  # the sleeper was abandoned after 0.3 s
+    assert time.monotonic() - start < 3.0  # the sleeper was stopped after 0.3 s
     contents = [m["content"] for m in traj.observations[0]]
     assert contents[0].startswith("error: malformed tool call (invalid JSON (")
     assert contents[0].endswith('): {"name": "add", "arguments": {"a": 1,')
@@ -166,9 +140,71 @@ def test_errors_become_tool_messages_and_the_episode_goes_on(tok):
     ]
     assert [m["name"] for m in traj.observations[0]] == ["", "mul", "boom", "sleepy"]
     assert traj.rewards == [0.0, 1.0] and traj.infos[-1]["correct"] is True
-    assert traj.infos[0] == {"tool_calls": 4, "tool_errors": 4, "answered": False, "correct": False}
+    assert traj.infos[0] == {
+        "tool_calls": 4,
+        "tool_errors": 4,
+        "tool_timeouts": 1,
+        "answered": False,
+        "correct": False,
+    }
     schemas = [get_json_schema(f) for f in (add, lookup, boom, sleepy)]
     assert rerender(tok, traj, schemas) == traj.token_ids + tok("\n", add_special_tokens=False).input_ids
+
+
+def spin_env(**kwargs) -> ToolEnv:
+    return AddLookupToolEnv(tools=[add, spin], tool_timeout_s=0.2, **kwargs)
+
+
+def test_a_tool_that_loops_for_ever_is_stopped_every_time_and_leaves_nothing_behind(tok, monkeypatch):
+    """5 episodes x 4 calls of a tool that never returns, each stopped at 0.2 s: this process's
+    own Python work does not slow down, no worker process or thread is left once the harness and
+    the pools close, and the trajectories equal a run whose tool call times out at once."""
+    from rlhf_lightning.envs import tools as tools_module
+    from rlhf_lightning.runtime.workers import CallTimeout, Outcome, close_shared_pools
+    from tests.runtime.test_workers import children_of_this_process, python_rate
+
+    first = "".join(call("spin", n=i) for i in range(4))
+    replies = [tok(r, add_special_tokens=False).input_ids + [tok.eos_token_id] for r in (first, "7")]
+    formatter = ChatFormatter(tok, None, tools=env_tools(spin_env))
+
+    def rollout():
+        harness = RolloutHarness(
+            spin_env, tok, formatter, max_turns=3, max_model_len=4096, concurrency=4, step_workers="thread"
+        )
+        try:
+            return harness.rollout(TurnEngine(replies), list(range(5)), SamplingParams(max_new_tokens=512))
+        finally:
+            harness.close()
+
+    threads = set(threading.enumerate())
+    before = max(python_rate() for _ in range(3))
+    stopped = rollout()
+    after = max(python_rate() for _ in range(3))
+    assert sum(info.get("tool_timeouts", 0) for t in stopped.trajectories for info in t.infos) == 20
+    assert after / before > 0.7, (before, after)  # 20 abandoned threads made it ~7x slower
+    close_shared_pools()
+    assert children_of_this_process() == []
+    # the one thread that starts children for the process (runtime.children.popen) may stay
+    assert {t.name for t in set(threading.enumerate()) - threads} <= {"child-starter"}
+
+    def times_out_at_once(fn, arguments, timeout_s, workers):
+        return Outcome(error=CallTimeout(f"did not return within {timeout_s:g} s"))
+
+    monkeypatch.setattr(tools_module, "run_tool", times_out_at_once)
+    at_once = rollout()
+    for a, b in zip(stopped.trajectories, at_once.trajectories, strict=True):
+        assert (a.token_ids, a.rewards, a.infos, a.observations) == (
+            b.token_ids,
+            b.rewards,
+            b.infos,
+            b.observations,
+        )
+    assert stopped.batch.input_ids.equal(at_once.batch.input_ids)
+    contents = {m["content"] for m in stopped.trajectories[0].observations[0]}
+    assert contents == {
+        "error: spin did not return within 0.2 s",
+        f"error: spin did not return within 0.2 s\n{LIMIT_NOTE}",
+    }
 
 
 @pytest.mark.parametrize(
@@ -189,6 +225,24 @@ def test_arguments_are_checked_against_the_schema(arguments, message):
     assert (reward, terminated, truncated) == (0.0, False, False) and info["tool_errors"] == 1
 
 
+def test_a_tool_with_a_time_limit_must_be_importable_by_name():
+    def local(x: int) -> int:
+        """Doubles.
+
+        Args:
+            x: a number
+        """
+        return 2 * x
+
+    with pytest.raises(
+        ConfigError, match=r"env\.kwargs\.tools=.*local.*a module-level function.*tool_timeout_s=null"
+    ):
+        AddLookupToolEnv(tools=[local])
+    env = AddLookupToolEnv(tools=[local], tool_timeout_s=None)
+    env.reset(row_index=0)
+    assert env.step(call("local", x=4))[0][0]["content"] == "8"
+
+
 def test_nested_schema_types_are_checked():
     def pick(items: list[int], pair: tuple[int, str], table: dict[str, int], mode: str | None = None) -> str:
         """Picks.
@@ -201,7 +255,7 @@ def test_nested_schema_types_are_checked():
         """
         return "ok"
 
-    env = AddLookupToolEnv(tools=[pick])
+    env = AddLookupToolEnv(tools=[pick], tool_timeout_s=None)  # no limit: a local function may run here
     env.reset(row_index=0)
     cases = {
         call("pick", items=[1, 2], pair=[1, "x"], table={"k": 1}): "ok",
@@ -235,7 +289,7 @@ def test_call_limit_then_unanswered(tok):
         0.0,
         True,
         False,
-        {"tool_calls": 0, "tool_errors": 0, "answered": False, "correct": False},
+        {"tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0, "answered": False, "correct": False},
     )
     # Reaching the limit exactly: the last result carries the note; the next reply may answer.
     env.reset(row_index=0)
@@ -270,7 +324,7 @@ def test_results_are_json_and_cut():
         """
         return {"rows": list(range(n))}
 
-    env = AddLookupToolEnv(tools=[table], max_result_chars=20)
+    env = AddLookupToolEnv(tools=[table], max_result_chars=20, tool_timeout_s=None)
     env.reset(row_index=0)
     assert env.step(call("table", n=2))[0][0]["content"] == '{"rows": [0, 1]}'
     env.calls = 0
