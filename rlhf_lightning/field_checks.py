@@ -153,6 +153,12 @@ def validate_async_fields(r: DictConfig) -> None:
         "false with rollout.mode=sync (partial rollouts continue episodes under newer weights: async only)",
     )
     check(
+        r.partial_versions in ("newest", "planned"),
+        "rollout.partial_versions",
+        r.partial_versions,
+        "newest (each turn the newest published weights) or planned (turn j: j versions newer, waiting for them)",
+    )
+    check(
         r.producer_threads is None or r.producer_threads >= 1,
         "rollout.producer_threads",
         r.producer_threads,

@@ -16,6 +16,7 @@ import pytest
 from rlhf_lightning.run import checkpoint_step
 from tests.conftest import ROOT
 from tests.population.test_side_by_side import MEMBERS
+from tests.runtime.test_workers import alive, children_of
 
 pytestmark = pytest.mark.slow
 
@@ -94,16 +95,33 @@ def assert_continues_exactly(reference: Path, resumed: Path, after: int) -> None
         assert got[key] == ref[key], key  # every column, as written: bitwise on CPU in float32
 
 
-def killed_and_resumed(tmp_path: Path, overrides: list[str]) -> tuple[Path, int]:
-    """Run A uninterrupted; run B killed (SIGKILL, every process of it) once its step-4
-    checkpoint exists, then resumed with ``resume=true``. Returns B's directory and the step its
-    last checkpoint held (4, or 2 if killed before last.ckpt followed)."""
+def kill_the_trainer_alone(proc: subprocess.Popen) -> None:
+    """SIGKILL the trainer's own pid, not its group (as the OOM killer does), and check that its
+    children (the rollout producer, workers) follow it within a few seconds."""
+    children = children_of(proc.pid)
+    assert children, "the trainer has no child process to outlive it"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.time() + 5
+    while [c for c in children if alive(c)]:
+        assert time.time() < deadline, f"children {[c for c in children if alive(c)]} outlived their trainer"
+        time.sleep(0.05)
+
+
+def killed_and_resumed(tmp_path: Path, overrides: list[str], trainer_only: bool = False) -> tuple[Path, int]:
+    """Run A uninterrupted; run B killed (SIGKILL: every process of it, or ``trainer_only`` the
+    trainer alone, whose children must then exit by themselves) once its step-4 checkpoint
+    exists, then resumed with ``resume=true``. Returns B's directory and the step its last
+    checkpoint held (4, or 2 if killed before last.ckpt followed)."""
     train(tmp_path, *overrides, f"output_dir={tmp_path / 'A'}")
     killed = tmp_path / "B"
     proc = start(tmp_path, *overrides, f"output_dir={killed}")
     wait_for(killed / "checkpoints" / "step_000004.ckpt", proc)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    if trainer_only:
+        kill_the_trainer_alone(proc)
+    else:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     step = checkpoint_step(killed / "checkpoints" / "last.ckpt")
     assert step >= 2
     train(tmp_path, *overrides, f"output_dir={killed}", "resume=true")

@@ -1,16 +1,25 @@
 """The rollout producer of asynchronous rollouts (``rollout.mode=async``): a process of its own
 with its own copy of the model, which runs the harness on the rows and weights the trainer sends.
 
-The trainer decides everything (which step, which rows, which policy version each turn uses,
-which random seed); the producer executes its requests in order. So what a batch contains never
-depends on timing: a run is reproducible, and a resumed run regenerates the same batches.
+The trainer decides which step, which rows, which random seed, and (except for the turns of a
+partial rollout in ``newest`` mode) which policy version each turn uses; the producer executes
+its requests in order.
 
-Messages (queues between our own two processes; objects travel as :func:`pack` bytes):
+Transport (:mod:`rlhf_lightning.runtime.channel`): two one-way pipes carry small messages only,
+each read under a deadline; anything large is a file in the run's spool directory, written
+atomically and named in the message, so neither side ever blocks on the other's read and a
+process that dies mid-write leaves the other an end of file, never a hang:
 
-    trainer -> producer   ("weights", version, {name: tensor})   a published policy version
-                          ("generate", Request)                   a batch to produce
+    trainer -> producer   ("weights", version, path)      a published version (safetensors)
+                          ("generate", path)              a pickled Request
                           ("stop",)
-    producer -> trainer   ("ready", pid) once built; ("batch", Produced); ("error", traceback)
+    producer -> trainer   ("ready", pid) once built
+                          ("turn", step, call, version)   a generate call of batch step starts
+                          ("batch", step, path)           a pickled Produced
+                          ("error", traceback)
+
+The producer dies with the trainer (``PR_SET_PDEATHSIG``), and exits with ``os._exit`` so no
+thread or buffer can hold it at interpreter exit.
 
 Weights reach the engine when a generate call needs their version: copied into the producer's
 policy (the HF engine samples that policy itself), then ``engine.ensure_synced`` (a vLLM engine
@@ -21,33 +30,46 @@ from __future__ import annotations
 
 import os
 import pickle
-import queue
 import random
+import sys
 import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 
 from rlhf_lightning.envs.harness import RolloutResult
 from rlhf_lightning.rollout.engine import Completion, SamplingParams
 from rlhf_lightning.runtime import rng
+from rlhf_lightning.runtime.channel import (
+    ChannelClosed,
+    ChannelTimeout,
+    Reader,
+    Writer,
+    take_fd,
+    write_atomic,
+)
+from rlhf_lightning.runtime.children import die_with_parent, parent_alive
 
-POLL_S = 0.5  # how often a wait looks up from its queue (the other process's liveness)
+POLL_S = 0.5  # how often a wait looks up from its pipe (the other process's liveness)
 
 
-def pack(obj: Any) -> bytes:
-    """``obj`` as bytes for the other process: tensors by value, not as shared-memory handles
-    (which die with the process that made them, and cost a descriptor each)."""
+def dump(obj: Any) -> bytes:
+    """``obj`` as bytes for a spool file of our own two processes."""
     return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def unpack(data: bytes) -> Any:
-    """What :func:`pack` made, in the other one of our own two processes (never user data)."""
+def load_spooled(path: str | Path) -> Any:
+    """What the other one of our own two processes wrote with :func:`dump` (never user data: the
+    spool directory is private to the run and emptied at its start); the file is removed."""
+    data = Path(path).read_bytes()
+    Path(path).unlink(missing_ok=True)
     return pickle.loads(data)
 
 
@@ -78,11 +100,17 @@ class Request:
     Attributes:
         step: the training step (batches done before it) that will train on it.
         rows: the env rows, as the train loader yields them for that step.
-        versions: the policy version of each generate call (turn); the last repeats.
+        versions: the policy version of each generate call (turn); the last repeats. With
+            ``newest``, only ``versions[0]`` (the oldest allowed) is fixed in advance.
         group_size, sampling: as in a synchronous rollout.
         seed: seeds the producer's generators for this batch (``max_staleness >= 1``), or None.
         rng_state: the trainer's RNG states to continue from and hand back (``max_staleness=0``:
             the same random numbers as a synchronous run), or None.
+        newest: each generate call uses the newest version published when it starts (at least
+            ``versions[0]``, at most ``step``), never waiting for one (``rollout.partial`` in
+            ``newest`` mode).
+        replay: the versions the first calls used before a resume (recorded in the checkpoint):
+            those calls use them again, whatever is newest.
     """
 
     step: int
@@ -92,13 +120,16 @@ class Request:
     sampling: SamplingParams
     seed: int | None = None
     rng_state: dict[str, Any] | None = None
+    newest: bool = False
+    replay: list[int] = field(default_factory=list)
 
 
 @dataclass
 class Produced:
     """A produced batch: its rollout (every trajectory's ``turn_versions`` set), the versions of
     its generate calls, how long the producer waited for weights or requests while producing it
-    and how long it generated, and (``rng_state`` requests) the RNG states after it."""
+    and how long it generated, (``rng_state`` requests) the RNG states after it, and the seed
+    its generators started from (None: the trainer's RNG states)."""
 
     step: int
     result: RolloutResult
@@ -106,25 +137,42 @@ class Produced:
     wait_s: float
     work_s: float
     rng_state: dict[str, Any] | None = None
+    seed: int | None = None
 
 
 class VersionedSampler:
     """The engine with the version of each generate call put in place first (``load``), so a
-    turn of a partial rollout runs on newer weights than the turn before. Records the versions."""
+    turn of a partial rollout can run on newer weights than the turn before.
+
+    ``choose(call)`` picks call ``call``'s version; ``started(call, version)`` hears it before
+    the call (the trainer records it for a resume). Records the versions used."""
 
     def __init__(
-        self, engine: Any, load: Callable[[int], None], versions: list[int], seed: int | None = None
+        self,
+        engine: Any,
+        load: Callable[[int], None],
+        choose: Callable[[int], int],
+        seed: int | None = None,
+        started: Callable[[int, int], None] | None = None,
     ) -> None:
-        self.engine, self.load, self.versions, self.seed = engine, load, versions, seed
+        self.engine, self.load, self.choose, self.seed, self.started = engine, load, choose, seed, started
         self.used: list[int] = []
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
-        version = self.versions[min(len(self.used), len(self.versions) - 1)]
+        call = len(self.used)
+        version = self.choose(call)
+        if self.started is not None:
+            self.started(call, version)
         self.load(version)
         if self.seed is not None:
-            params = replace(params, seed=call_seed(self.seed, len(self.used)))
+            params = replace(params, seed=call_seed(self.seed, call))
         self.used.append(version)
         return self.engine.generate(prompt_token_ids, params)
+
+
+def planned(versions: list[int]) -> Callable[[int], int]:
+    """Call ``i`` uses ``versions[i]`` (the last one repeats)."""
+    return lambda call: versions[min(call, len(versions) - 1)]
 
 
 def seed_all(seed: int) -> None:
@@ -134,56 +182,76 @@ def seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+class Stop(Exception):
+    """The trainer asked the producer to stop (or is gone)."""
+
+
 class Producer:
     """The producer's loop state: the harness, the engine, the policy and its parameters by name,
-    the versions received, the requests not yet served. ``build(place)`` makes the first three."""
+    the versions published (their files), the requests not yet served. ``build(place)`` makes
+    the first three; ``results`` (None: nowhere) hears each call's version."""
 
     def __init__(
         self,
         build: Callable[[Placement], tuple[Any, Any, Any]],
-        commands: Any,
+        commands: Reader,
         parent_pid: int,
         place: Placement = Placement(),
+        results: Writer | None = None,
     ) -> None:
         self.harness, self.engine, self.policy = build(place)
         self.params = dict(self.policy.named_parameters())
-        self.commands, self.parent_pid = commands, parent_pid
-        self.store: dict[int, dict[str, torch.Tensor]] = {}
+        self.commands, self.results, self.parent_pid = commands, results, parent_pid
+        self.store: dict[int, Path] = {}
         self.loaded: int | None = None
         self.pending: deque[Request] = deque()
         self.waited = 0.0
 
-    def receive(self) -> bool:
-        """Take one command (waiting as long as it takes while the trainer lives); False on stop."""
+    # ---------------------------------------------------------------- commands
+    def receive(self, wait: bool = True) -> bool:
+        """Take one command, waiting as long as the trainer lives (``wait=False``: only one that
+        is there now). Returns whether one was taken; raises :class:`Stop` on ``stop``."""
         t0 = time.perf_counter()
         while True:
             try:
-                message = self.commands.get(timeout=POLL_S)
+                message = self.commands.recv(POLL_S if wait else 0.0)
                 break
-            except queue.Empty:
-                if os.getppid() != self.parent_pid:  # the trainer is gone (e.g. kill -9)
-                    raise SystemExit(0) from None
-        self.waited += time.perf_counter() - t0
+            except ChannelTimeout:
+                if not parent_alive(self.parent_pid):  # the trainer is gone (e.g. kill -9)
+                    raise Stop from None
+                if not wait:
+                    return False
+            except ChannelClosed:
+                raise Stop from None
+        if wait:
+            self.waited += time.perf_counter() - t0
         if message[0] == "stop":
-            return False
+            raise Stop
         if message[0] == "weights":
-            self.store[message[1]] = unpack(message[2])
+            self.store[message[1]] = Path(message[2])
         else:
-            self.pending.append(unpack(message[1]))
+            self.pending.append(load_spooled(message[1]))
         return True
+
+    def newest(self, oldest: int, cap: int) -> int:
+        """The newest version published now, between ``oldest`` (which must be there) and ``cap``."""
+        while self.receive(wait=False):
+            pass
+        return max([v for v in self.store if oldest <= v <= cap], default=oldest)
 
     def load(self, version: int) -> None:
         """Put ``version``'s weights into the model, waiting for the trainer to publish them."""
         while version not in self.store:
-            if not self.receive():
-                raise SystemExit(0)
+            self.receive()
         if self.loaded != version:
+            weights = load_file(self.store[version])
             with torch.no_grad():
-                for name, value in self.store[version].items():
+                for name, value in weights.items():
                     self.params[name].copy_(value)
             self.engine.ensure_synced(self.policy, version)  # an engine with weights of its own
             self.loaded = version
 
+    # ---------------------------------------------------------------- one batch
     def produce(self, req: Request) -> Produced:
         """Generate and score ``req``'s batch. Its wait time is every wait since the last batch
         (for this request, then for weights mid-batch)."""
@@ -192,7 +260,9 @@ class Producer:
             rng.restore(req.rng_state)
         else:
             seed_all(int(req.seed or 0))
-        sampler = VersionedSampler(self.engine, self.load, req.versions, req.seed)
+        sampler = VersionedSampler(
+            self.engine, self.load, self.chooser(req), req.seed, self.announcer(req.step)
+        )
         result = self.harness.rollout(sampler, req.rows, req.sampling, group_size=req.group_size)
         for traj in result.trajectories:
             traj.turn_versions = sampler.used[: traj.num_turns]
@@ -201,37 +271,87 @@ class Producer:
             del self.store[old]
         after = rng.capture() if req.rng_state is not None else None
         work = time.perf_counter() - t0 - (self.waited - waited_before)
-        produced = Produced(req.step, result, sampler.used, self.waited, work, after)
+        produced = Produced(req.step, result, sampler.used, self.waited, work, after, req.seed)
         self.waited = 0.0
         return produced
 
+    def chooser(self, req: Request) -> Callable[[int], int]:
+        """Call ``i``'s version: a replayed one, the plan's, or (``newest``) the newest there is."""
+        plan = planned(req.versions)
 
-def producer_main(
+        def choose(call: int) -> int:
+            if call < len(req.replay):
+                return req.replay[call]
+            if req.newest:
+                return self.newest(req.versions[0], req.step)
+            return plan(call)
+
+        return choose
+
+    def announcer(self, step: int) -> Callable[[int, int], None] | None:
+        """Tell the trainer which version each call of batch ``step`` starts with."""
+        if self.results is None:
+            return None
+        results = self.results
+        return lambda call, version: results.send(("turn", step, call, version))
+
+
+def serve(
     build: Callable[[Placement], tuple[Any, Any, Any]],
-    commands: Any,
-    results: Any,
+    commands: Reader,
+    results: Writer,
     threads: int,
     parent_pid: int,
+    spool: str | Path,
     place: Placement = Placement(),
-) -> None:
-    """The producer process: build the parts on ``place``, then serve requests in order until
-    told to stop. Any error goes back to the trainer with its traceback (the trainer raises it)."""
+) -> int:
+    """Build the parts on ``place``, then serve requests in order until told to stop (or the
+    trainer is gone): 0. Any error goes back to the trainer with its traceback: 1."""
     producer = None
     try:
         torch.set_num_threads(threads)
         if place.cuda_index is not None:
             torch.cuda.set_device(place.cuda_index)
-        producer = Producer(build, commands, parent_pid, place)
-        results.put(("ready", os.getpid()))
+        producer = Producer(build, commands, parent_pid, place, results)
+        results.send(("ready", os.getpid()))
         while True:
             while not producer.pending:
-                if not producer.receive():
-                    return
-            results.put(("batch", pack(producer.produce(producer.pending.popleft()))))
-    except SystemExit:
-        return
+                producer.receive()
+            produced = producer.produce(producer.pending.popleft())
+            path = Path(spool) / f"batch-{produced.step}.pkl"
+            write_atomic(path, dump(produced))
+            results.send(("batch", produced.step, str(path)))
+    except (Stop, ChannelClosed):
+        return 0
     except BaseException:
-        results.put(("error", traceback.format_exc()))
+        try:
+            results.send(("error", traceback.format_exc()), timeout_s=10.0)
+        except (ChannelClosed, ChannelTimeout):
+            traceback.print_exc()
+        return 1
     finally:
         if producer is not None:
-            producer.engine.shutdown()  # e.g. a vLLM engine's adapter staging directory
+            try:
+                producer.engine.shutdown()  # e.g. a vLLM engine's adapter staging directory
+            except Exception:
+                traceback.print_exc()
+
+
+def producer_main(
+    build: Callable[[Placement], tuple[Any, Any, Any]],
+    commands_end: Any,
+    results_end: Any,
+    threads: int,
+    parent_pid: int,
+    spool: str,
+    place: Placement = Placement(),
+) -> None:
+    """The producer process (:func:`serve`). ``commands_end`` / ``results_end``: this process's
+    ends of the two pipes (``multiprocessing`` connections, taken over as plain descriptors)."""
+    die_with_parent(parent_pid)
+    code = serve(
+        build, Reader(take_fd(commands_end)), Writer(take_fd(results_end)), threads, parent_pid, spool, place
+    )
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no interpreter teardown (threads, buffers) can hold a finished producer

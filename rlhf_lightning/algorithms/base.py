@@ -405,8 +405,10 @@ class RolloutModule(PopulationStep, RolloutEvaluation):
             self.load_member_checkpoint(checkpoint["members"])
 
     def close(self) -> None:
-        """Stop the rollout producer (``rollout.mode=async``); the run calls this at its end."""
+        """Stop the rollout producer (``rollout.mode=async``) and the env's workers; the run
+        calls this at its end."""
         self.collector.close()
+        super().close()
 
     def teardown(self, stage: str) -> None:
         self.close()

@@ -6,16 +6,27 @@ and 2-process DDP runs."""
 from __future__ import annotations
 
 import csv
+import json
+import os
+import signal
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
+from rlhf_lightning.algorithms.async_rollout import batch_seed
+from rlhf_lightning.run import checkpoint_step
 from tests.conftest import FAST, compose_config, fit_steps
-from tests.test_resume import killed_and_resumed, rows, sigtermed_and_resumed, train
+from tests.runtime.test_workers import children_of
+from tests.test_resume import killed_and_resumed, rows, sigtermed_and_resumed, start, train, wait_for
 
 pytestmark = pytest.mark.slow
 
 ASYNC = ["rollout.mode=async", "num_threads=1"]
+PROBE = "+callbacks.probe._target_=tests.algorithms.async_probe.Probe"
+# 8 x 8 episodes: every batch pickles to over 64 KiB, more than a pipe buffer (checked below)
+BIG = [*ASYNC, "rollout.max_staleness=1", "algo.prompts_per_step=8", "algo.group_size=8", PROBE]
 
 
 def record_rollouts(module, seen: list) -> None:
@@ -85,14 +96,24 @@ def test_lockstep_async_equals_sync_for_20_steps(tmp_path):
 
 @pytest.mark.parametrize("k", [1, 2])
 def test_no_trained_token_is_older_than_k_versions(tmp_path, k):
-    cfg = compose_config([*FAST, *ASYNC, f"rollout.max_staleness={k}"], output_dir=tmp_path / "run")
-    seen: list = []
-    fit_steps(cfg, tmp_path, steps=5, module_hook=lambda m: record_rollouts(m, seen))
+    """Every trained batch is labelled with version step - K, and the label is true: its sampling
+    log-probs are the log-probs of that version's weights (not of the weights being trained)."""
+    cfg = compose_config(
+        [*FAST, *ASYNC, f"rollout.max_staleness={k}", "algo.lr=1e-2"], output_dir=tmp_path / "run"
+    )
+    module, seen, versions = fit_recorded(cfg, tmp_path, steps=5)
     assert [s for s, _ in seen] == [0, 1, 2, 3, 4]
+    gaps = []
     for step, result in seen:
-        versions = {v for t in result.trajectories for v in t.turn_versions}
-        assert versions == {max(0, step - k)}, (step, versions)  # exactly as old as allowed
-        assert all(step - v <= k for v in versions)
+        labels = {v for t in result.trajectories for v in t.turn_versions}
+        assert labels == {max(0, step - k)}, (step, labels)  # exactly as old as allowed
+        batch, mask = result.batch, result.batch.action_mask
+        named = logps_under(module, versions[max(0, step - k)], batch)
+        assert (named[mask] - batch.sampling_logps[mask]).abs().max() < 1e-4, step
+        if step >= k:  # stale: the weights trained at this step generate other log-probs
+            current = logps_under(module, versions[step], batch)
+            gaps.append(float((current[mask] - batch.sampling_logps[mask]).abs().max()))
+    assert max(gaps) > 1e-3, gaps  # (a step whose groups all tie changes the weights little)
     assert {step - v for step, r in seen for t in r.trajectories for v in t.turn_versions} >= {k}
 
 
@@ -121,21 +142,44 @@ def test_the_ratio_uses_the_generating_policys_logprobs(tmp_path):
         assert (current[mask] - old[mask]).abs().max() > 1e-3  # the trained weights differ
 
 
-def test_partial_rollouts_record_each_turns_version(tmp_path):
-    """rollout.partial=true: turn 0 of batch s is generated with version s - 1 and turn 1 with
-    version s; each token's behaviour log-prob is the one of its own turn's version."""
-    cfg = compose_config(
-        [
-            *FAST,
-            *ASYNC,
-            "rollout.max_staleness=1",
-            "rollout.partial=true",
-            "env=guess_number",
-            "env.max_turns=3",
-        ],
-        output_dir=tmp_path / "run",
-    )
+PARTIAL = [
+    *FAST,
+    *ASYNC,
+    "rollout.max_staleness=1",
+    "rollout.partial=true",
+    "env=guess_number",
+    "env.max_turns=3",
+]
+
+
+def test_planned_partial_rollouts_record_each_turns_version(tmp_path):
+    """rollout.partial_versions=planned: turn 0 of batch s is generated with version s - 1 and
+    turn 1 with version s; each token's behaviour log-prob is the one of its own turn's version."""
+    cfg = compose_config([*PARTIAL, "rollout.partial_versions=planned"], output_dir=tmp_path / "run")
     assert_turns_carry_their_versions(*fit_recorded(cfg, tmp_path, steps=3))
+
+
+def test_newest_partial_turns_use_published_weights_within_the_bound(tmp_path):
+    """rollout.partial=true (newest, the default): every turn of batch s runs on a version between
+    s - 1 and s, later turns never on older ones than earlier turns, and each token's behaviour
+    log-prob is its own turn's version's."""
+    cfg = compose_config(PARTIAL, output_dir=tmp_path / "run")
+    module, seen, versions = fit_recorded(cfg, tmp_path, steps=4)
+    multi = 0
+    for step, result in seen[1:]:
+        batch = result.batch
+        under = {v: logps_under(module, versions[v], batch) for v in (step - 1, step)}
+        for i, t in enumerate(result.trajectories):
+            assert all(step - 1 <= v <= step for v in t.turn_versions) and t.turn_versions == sorted(
+                t.turn_versions
+            )
+            tokens = torch.tensor(t.token_versions()[1:])
+            for version, expected in under.items():
+                cols = (tokens == version).nonzero().squeeze(-1)
+                if len(cols):
+                    assert (batch.sampling_logps[i, cols] - expected[i, cols]).abs().max() < 1e-4, (step, i)
+            multi += t.num_turns >= 2
+    assert multi > 0
 
 
 def fit_recorded(cfg, tmp_path, steps: int) -> tuple:
@@ -187,8 +231,11 @@ def assert_continues_exactly(reference, resumed, after: int) -> None:
         }, key
 
 
-def test_sigkill_then_resume_continues_an_async_run_exactly(tmp_path):
-    killed, step = killed_and_resumed(tmp_path, [*ASYNC, "rollout.max_staleness=1"])
+def test_sigkill_of_the_trainer_alone_ends_its_producer_and_resume_continues_exactly(tmp_path):
+    """Only the trainer's pid is killed (as the OOM killer does) while a batch of over 64 KiB
+    (8 x 8 episodes) is in flight: its producer exits within seconds by itself (it used to block
+    at exit on its queue's feeder thread), and the resume continues exactly."""
+    killed, step = killed_and_resumed(tmp_path, BIG[:-1], trainer_only=True)
     assert_continues_exactly(tmp_path / "A", killed, after=step)
 
 
@@ -197,12 +244,41 @@ def test_sigterm_saves_an_async_run_and_it_resumes_exactly(tmp_path):
     assert_continues_exactly(tmp_path / "A", run, after=step)
 
 
+def test_a_producer_killed_mid_run_ends_the_run_with_its_error_and_the_checkpoint_resumes(tmp_path):
+    """SIGKILL of the producer while the trainer trains and a batch of over 64 KiB is in flight
+    (the pipe buffer: a batch streamed through it left the trainer blocked in read() for ever):
+    the trainer exits non-zero at once with the named error, far inside rollout.async_timeout_s,
+    and resume=true from its last checkpoint continues exactly like an uninterrupted run."""
+    overrides = [*BIG, "checkpoint.every_n_steps=1", "rollout.async_timeout_s=120"]
+    train(tmp_path, *overrides, f"output_dir={tmp_path / 'A'}")
+    run = tmp_path / "B"
+    proc = start(tmp_path, *overrides, f"output_dir={run}")
+    wait_for(run / "checkpoints" / "step_000003.ckpt", proc)
+    (producer,) = [c for c in children_of(proc.pid) if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
+    os.kill(producer, signal.SIGKILL)
+    killed_at = time.monotonic()
+    out, _ = proc.communicate(timeout=300)
+    waited = time.monotonic() - killed_at
+    assert proc.returncode != 0 and waited < 30, (proc.returncode, waited)  # not the 120 s timeout
+    assert f"the rollout producer (pid {producer}) was killed by SIGKILL while the trainer waited for" in out
+    step = checkpoint_step(run / "checkpoints" / "last.ckpt")
+    assert 3 <= step < 8
+    assert not list((run / ".async").rglob("*.pkl"))  # the spool was emptied at the end
+    train(tmp_path, *overrides, f"output_dir={run}", "resume=true")
+    assert_continues_exactly(tmp_path / "A", run, after=step)
+    batches = json.loads((tmp_path / "A" / "probe-rank0.json").read_text())["batches"]
+    assert min(b["bytes"] for b in batches) > 64 * 1024  # every batch is larger than a pipe buffer
+
+
 def test_two_processes_run_async(tmp_path):
+    """2-process DDP: each rank's producer trains on its own rows with its own seeds, every rank
+    publishes the same weights for every version, and staleness is bounded on both."""
     ddp = ["strategy=ddp", "trainer.accelerator=cpu", "trainer.devices=2"]
     train(
         tmp_path,
         *ddp,
         *ASYNC,
+        PROBE,
         "trainer.max_steps=5",
         "checkpoint.every_n_steps=0",
         f"output_dir={tmp_path / 'D'}",
@@ -211,3 +287,11 @@ def test_two_processes_run_async(tmp_path):
         trained = [r for r in csv.DictReader(f) if r.get("async/staleness_max")]
     assert [int(r["step"]) for r in trained] == [1, 2, 3, 4, 5]
     assert [float(r["async/staleness_max"]) for r in trained] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    ranks = [json.loads((tmp_path / "D" / f"probe-rank{r}.json").read_text()) for r in (0, 1)]
+    for b0, b1 in zip(ranks[0]["batches"], ranks[1]["batches"], strict=True):
+        assert b0["step"] == b1["step"]
+        assert not set(b0["rows"]) & set(b1["rows"])  # each rank its own shard of the prompts
+        assert b0["seed"] != b1["seed"] and b0["tokens"] != b1["tokens"]  # its own sampling
+        assert b0["seed"] == batch_seed(0, 0, b0["step"]) and b1["seed"] == batch_seed(0, 1, b1["step"])
+    assert len(ranks[0]["batches"]) == 5
+    assert ranks[0]["versions"] == ranks[1]["versions"] and len(ranks[0]["versions"]) == 6  # versions 0..5

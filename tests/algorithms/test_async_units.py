@@ -11,16 +11,16 @@ from __future__ import annotations
 import functools
 import itertools
 import os
-import queue
 import random
 import threading
 import time
 from dataclasses import replace
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from rlhf_lightning.algorithms import async_producer
 from rlhf_lightning.algorithms.async_producer import (
@@ -28,8 +28,10 @@ from rlhf_lightning.algorithms.async_producer import (
     Produced,
     Producer,
     Request,
+    Stop,
     VersionedSampler,
     call_seed,
+    planned,
 )
 from rlhf_lightning.algorithms.async_rollout import (
     AsyncRollouts,
@@ -43,6 +45,7 @@ from rlhf_lightning.envs.harness import RolloutResult
 from rlhf_lightning.envs.trajectory import Trajectory, collate
 from rlhf_lightning.rollout.engine import Completion, EngineBase, SamplingParams
 from rlhf_lightning.runtime import rng
+from rlhf_lightning.runtime.channel import Reader, Writer
 
 OBS = 99  # the observation token the fake harness puts between turns
 TOKENS_PER_TURN = 2
@@ -252,10 +255,14 @@ def test_token_versions_map_generated_tokens_to_their_turn():
 # ---------------------------------------------------------------- the producer, without a process
 def test_versioned_sampler_loads_each_calls_version_then_repeats_the_last():
     loaded: list[int] = []
+    started: list[tuple[int, int]] = []
     engine = FakeEngine(tiny_policy())
-    sampler = VersionedSampler(engine, loaded.append, [3, 4])
+    sampler = VersionedSampler(
+        engine, loaded.append, planned([3, 4]), started=lambda c, v: started.append((c, v))
+    )
     outs = [sampler.generate([[k, k + 1]], SamplingParams(max_new_tokens=1)) for k in range(4)]
     assert loaded == [3, 4, 4, 4] and sampler.used == [3, 4, 4, 4]
+    assert started == [(0, 3), (1, 4), (2, 4), (3, 4)]  # announced before each call
     assert [c["prompts"] for c in engine.calls] == [[[k, k + 1]] for k in range(4)]  # passed through
     assert all(o[0].token_ids == [10] for o in outs)  # the engine's completions handed back
     assert [c["seed"] for c in engine.calls] == [None] * 4  # no batch seed: the engine's generator
@@ -263,7 +270,7 @@ def test_versioned_sampler_loads_each_calls_version_then_repeats_the_last():
 
 def test_versioned_sampler_gives_each_call_its_own_seed_from_the_batch_seed():
     engine = FakeEngine(tiny_policy())
-    sampler = VersionedSampler(engine, lambda v: None, [0], seed=12345)
+    sampler = VersionedSampler(engine, lambda v: None, planned([0]), seed=12345)
     for _ in range(3):
         sampler.generate([[1]], SamplingParams(max_new_tokens=1))
     seeds = [c["seed"] for c in engine.calls]
@@ -280,21 +287,27 @@ def test_placement_is_the_ranks_device_or_the_trainers():
         placement((2,), 1, 2, "cuda:1")
 
 
-def trainer_side(versions: list[int]) -> AsyncRollouts:
-    """The trainer's side with ``versions`` published and sent into a plain queue (its own
-    messages, as it writes them for the process), no process started."""
-    trainer = AsyncRollouts(build_parts, AsyncSettings(max_staleness=100), max_turns=3)
-    trainer.commands = cast(Any, queue.Queue())  # no process: a plain queue
+def pipe() -> tuple[Reader, Writer]:
+    """Both ends of a one-way pipe in this process."""
+    r, w = os.pipe()
+    return Reader(r), Writer(w)
+
+
+def trainer_side(versions: list[int], **settings: Any) -> tuple[AsyncRollouts, Reader]:
+    """The trainer's side with ``versions`` published and sent into a pipe (its own messages, as
+    it writes them for the process), no process started; and the pipe's read end."""
+    trainer = AsyncRollouts(build_parts, AsyncSettings(**{"max_staleness": 100, **settings}), max_turns=3)
+    commands, trainer.commands = pipe()
     for v in versions:
         trainer.publish(v, weights_of(v))
         trainer.send_weights(v)
-    return trainer
+    return trainer, commands
 
 
-def producer_with(versions: list[int]) -> tuple[Producer, AsyncRollouts, FakeEngine]:
+def producer_with(versions: list[int], **settings: Any) -> tuple[Producer, AsyncRollouts, FakeEngine]:
     """A producer in this process (three turns) reading what :func:`trainer_side` sent."""
-    trainer = trainer_side(versions)
-    producer = Producer(functools.partial(build_parts, max_turns=3), trainer.commands, os.getppid())
+    trainer, commands = trainer_side(versions, **settings)
+    producer = Producer(functools.partial(build_parts, max_turns=3), commands, os.getppid())
     assert isinstance(producer.engine, FakeEngine)
     return producer, trainer, producer.engine
 
@@ -304,7 +317,7 @@ def request(step: int, rows: list[int], versions: list[int], **kwargs: Any) -> R
 
 
 def test_produce_loads_each_turns_version_and_sets_turn_versions():
-    producer, trainer, engine = producer_with([0, 1, 2, 3, 4])
+    producer, _trainer, engine = producer_with([0, 1, 2, 3, 4])
     rows = [0, 2, 1]  # 1, 3 and 2 turns per episode
     produced = producer.produce(request(3, rows, [1, 2, 3], seed=5))
     # The weights in the policy at each generate call: version 1, 2, 3 (10 v + 1).
@@ -316,7 +329,7 @@ def test_produce_loads_each_turns_version_and_sets_turn_versions():
         gen = [lp for lp, turn in zip(t.sampling_logps, t.action_turn) if turn >= 0]
         assert gen == [10.0 * v + 1.0 for v in t.token_versions() if v >= 0]
     assert sorted(producer.store) == [1, 2, 3]  # older than the first version (1): dropped
-    assert trainer.commands.qsize() == 1  # version 4 not read: no wait for what the batch does not need
+    assert producer.commands.poll(0.0)  # version 4 not read: no wait for what the batch does not need
     assert producer.loaded == 3 and torch.equal(producer.params["weight"].detach(), weights_of(3)["weight"])
     # The engine was synced once per version, after the version's weights were in the policy.
     assert engine.synced == [(11.0, 1), (21.0, 2), (31.0, 3)]
@@ -387,29 +400,37 @@ def test_produce_with_an_rng_state_continues_from_it_and_hands_it_back():
 def test_receive_queues_requests_and_stops_on_stop():
     producer, trainer, _ = producer_with([0])
     trainer.request(2, [5, 4], SamplingParams(max_new_tokens=3), group_size=2)
-    trainer.commands.put(("stop",))
+    trainer.send(("stop",))
     assert producer.receive() and producer.store.keys() == {0}
-    assert torch.equal(producer.store[0]["weight"], weights_of(0)["weight"])
+    assert torch.equal(load_file(producer.store[0])["weight"], weights_of(0)["weight"])  # a file
     assert producer.receive() and len(producer.pending) == 1
     req = producer.pending[0]
     assert (req.step, req.rows, req.versions, req.group_size) == (2, [5, 4], [0], 2)
     assert req.sampling.max_new_tokens == 3 and req.seed == batch_seed(0, 0, 2) and req.rng_state is None
-    assert not producer.receive()
-    trainer.commands.put(("stop",))
-    with pytest.raises(SystemExit):
+    assert not (trainer.spool / "request-2.pkl").exists()  # read and removed
+    with pytest.raises(Stop):
+        producer.receive()
+    trainer.send(("stop",))
+    with pytest.raises(Stop):
         producer.load(1)  # told to stop while waiting for a version
+    assert not producer.receive(wait=False)  # nothing there: no wait
 
 
-def test_receive_waits_while_the_trainer_lives_and_exits_when_it_is_gone(monkeypatch):
+def test_receive_stops_when_the_trainer_is_gone(monkeypatch):
     monkeypatch.setattr(async_producer, "POLL_S", 0.01)
-    orphan = Producer(build_parts, queue.Queue(), parent_pid=-1)  # never this process's parent
+    commands, _writer = pipe()
+    orphan = Producer(build_parts, commands, parent_pid=-1)  # never this process's parent
     t0 = time.perf_counter()
-    with pytest.raises(SystemExit):
+    with pytest.raises(Stop):
         orphan.receive()
     assert time.perf_counter() - t0 < 5.0
-    trainer = trainer_side([])
+    closed, writer = pipe()
+    writer.close()  # the trainer's end closed (its process is gone): an end of file
+    with pytest.raises(Stop):
+        Producer(build_parts, closed, os.getppid()).receive()
+    trainer, commands = trainer_side([])
     trainer.publish(2, weights_of(2))
-    producer = Producer(build_parts, trainer.commands, os.getppid())
+    producer = Producer(build_parts, commands, os.getppid())
     timer = threading.Timer(0.2, trainer.send_weights, args=(2,))
     timer.start()
     try:
@@ -419,7 +440,32 @@ def test_receive_waits_while_the_trainer_lives_and_exits_when_it_is_gone(monkeyp
     assert producer.store.keys() == {2} and producer.waited >= 0.15
 
 
-def test_producer_main_builds_on_its_place_and_shuts_the_engine_down_at_the_end():
+def test_newest_takes_the_newest_published_version_and_never_waits():
+    producer, trainer, engine = producer_with([0, 1], max_staleness=2, partial=True)
+    assert trainer.s.newest
+    trainer.publish(3, weights_of(3))  # published but the producer has not read it yet
+    trainer.send_weights(3)
+    req = Request(3, [2], [1], 1, SamplingParams(max_new_tokens=4), newest=True)
+    produced = producer.produce(req)  # three turns
+    assert produced.call_versions == [3, 3, 3]  # the newest there is (<= the step), read without waiting
+    assert [c["weight"] for c in engine.calls] == [31.0] * 3
+    producer2, trainer2, _engine2 = producer_with([1], max_staleness=2, partial=True)
+    t0 = time.perf_counter()
+    produced = producer2.produce(Request(3, [2], [1], 1, SamplingParams(max_new_tokens=4), newest=True))
+    assert produced.call_versions == [1, 1, 1] and time.perf_counter() - t0 < 0.4  # no wait for 2 or 3
+    again = producer2.produce(
+        Request(3, [2], [1], 1, SamplingParams(max_new_tokens=4), newest=True, replay=[1, 1])
+    )
+    assert again.call_versions == [1, 1, 1]
+    trainer2.publish(2, weights_of(2))
+    trainer2.send_weights(2)
+    replayed = producer2.produce(
+        Request(3, [2], [1], 1, SamplingParams(max_new_tokens=4), newest=True, replay=[1])
+    )
+    assert replayed.call_versions == [1, 2, 2]  # the first call as recorded, then the newest
+
+
+def test_serve_builds_on_its_place_and_shuts_the_engine_down_at_the_end(tmp_path):
     built: list[FakeEngine] = []
 
     def build(place: Placement) -> tuple[Any, Any, Any]:
@@ -427,15 +473,18 @@ def test_producer_main_builds_on_its_place_and_shuts_the_engine_down_at_the_end(
         built.append(parts[1])
         return parts
 
-    commands: queue.Queue = queue.Queue()
-    results: queue.Queue = queue.Queue()
-    commands.put(("stop",))
+    commands, to_producer = pipe()
+    from_producer, results = pipe()
+    to_producer.send(("stop",))
     threads = torch.get_num_threads()
     try:
-        async_producer.producer_main(build, commands, results, 1, os.getppid(), Placement("cpu", 1, 2))
+        code = async_producer.serve(
+            build, commands, results, 1, os.getppid(), tmp_path, Placement("cpu", 1, 2)
+        )
     finally:
         torch.set_num_threads(threads)
-    assert results.get_nowait() == ("ready", os.getpid()) and results.empty()
+    assert code == 0
+    assert from_producer.recv(1.0) == ("ready", os.getpid()) and not from_producer.poll(0.0)
     assert built[0].place == Placement("cpu", 1, 2) and built[0].shut_down
 
 
@@ -445,11 +494,30 @@ def test_state_dict_keeps_the_k_versions_before_the_step_and_load_puts_them_back
     for v in range(6):
         ar.publish(v, weights_of(v))
     assert sorted(ar.store) == [3, 4, 5]  # older than 5 - K: no request or checkpoint needs them
+    assert sorted(p.name for p in ar.spool.glob("weights-*")) == [
+        f"weights-{v}.safetensors" for v in (3, 4, 5)
+    ]
+    ar.requested = {5: [0], 6: [1]}
+    ar.turns = {5: [3, 4], 7: [9]}  # batch 5 is in flight with two calls started; 7 was taken
     state = ar.state_dict(5)
     assert sorted(state["versions"]) == [3, 4]  # version 5 is the checkpoint's own weights
+    assert state["turns"] == {5: [3, 4]}
     fresh = AsyncRollouts(build_parts, AsyncSettings(max_staleness=2), max_turns=2)
     fresh.load_state_dict(state)
-    assert {v: float(w["weight"]) for v, w in fresh.store.items()} == {3: 31.0, 4: 41.0}
+    assert {v: float(w["weight"]) for v, w in fresh.restored.items()} == {3: 31.0, 4: 41.0}
+    assert fresh.replay == {5: [3, 4]}
     fresh.load_state_dict({"versions": {"2": weights_of(2)}})  # keys as strings: still versions
     fresh.load_state_dict({})  # a checkpoint of a synchronous run
-    assert sorted(fresh.store) == [2, 3, 4]
+    assert sorted(fresh.restored) == [2, 3, 4]
+    ar.close()
+    assert not ar.spool.exists() or not any(ar.spool.iterdir())
+
+
+def test_a_spool_left_by_a_killed_run_is_emptied_before_use(tmp_path):
+    old = tmp_path / ".async" / "rank0"
+    old.mkdir(parents=True)
+    (old / "batch-3.pkl").write_bytes(b"not ours")
+    ar = AsyncRollouts(build_parts, AsyncSettings(max_staleness=1, spool_dir=str(tmp_path)), max_turns=2)
+    ar.publish(0, weights_of(0))
+    assert sorted(p.name for p in ar.spool.iterdir()) == ["weights-0.safetensors"]
+    assert (ar.spool.stat().st_mode & 0o777) == 0o700  # private to the run's user
