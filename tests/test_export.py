@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import os
 import re
 import shutil
@@ -22,7 +23,7 @@ import rlhf_lightning.export.merge as export_merge
 from rlhf_lightning.export import main as export_main
 from rlhf_lightning.models.build import load_model
 from rlhf_lightning.run import run
-from tests.conftest import FAST, compose_config
+from tests.conftest import FAST, ROOT, compose_config
 
 pytestmark = pytest.mark.slow
 
@@ -238,10 +239,77 @@ def test_the_runs_revision_and_trust_remote_code_reach_the_loaders(grpo_run, tmp
     monkeypatch.setattr(export_merge, "load_model", fake_load_model)  # load_base's loader
     monkeypatch.setattr(export_cli, "load_tokenizer", fake_load_tokenizer)
     export_main([str(src), "--out", str(tmp_path / "o"), "--merge"])
-    for loader in ("model", "tokenizer"):
-        assert seen[loader]["revision"] == "0123abcd" and seen[loader]["trust_remote_code"] is True
+    for loader in ("model", "tokenizer"):  # the run's revision; its trust_remote_code is not followed
+        assert seen[loader]["revision"] == "0123abcd" and seen[loader]["trust_remote_code"] is False
+    export_main([str(src), "--out", str(tmp_path / "o3"), "--merge", "--trust-remote-code"])
+    assert seen["model"]["trust_remote_code"] is True and seen["tokenizer"]["trust_remote_code"] is True
     export_main([str(src), "--out", str(tmp_path / "o2"), "--merge", "--revision", "v2"])
     assert seen["model"]["revision"] == "v2" and seen["tokenizer"]["revision"] == "v2"
+
+
+EVIL_TOKENIZER = """
+import pathlib
+pathlib.Path({marker!r}).write_text("tokenizer code ran")
+from transformers import PreTrainedTokenizerFast
+
+
+class EvilTokenizer(PreTrainedTokenizerFast):
+    pass
+"""
+EVIL_MODEL = """
+import pathlib
+pathlib.Path({marker!r}).write_text("model code ran")
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+
+class EvilConfig(Qwen2Config):
+    pass
+
+
+class EvilModel(Qwen2ForCausalLM):
+    config_class = EvilConfig
+"""
+
+
+def evil_base(tiny_path: str, dest: Path, marker: Path) -> Path:
+    """The tiny model with code of its own (``auto_map``) for its tokenizer, config and model,
+    each of which writes ``marker`` when imported."""
+    shutil.copytree(tiny_path, dest)
+    (dest / "tokenization_evil.py").write_text(EVIL_TOKENIZER.format(marker=str(marker)))
+    (dest / "modeling_evil.py").write_text(EVIL_MODEL.format(marker=str(marker)))
+    for name, auto_map in (
+        ("tokenizer_config.json", {"AutoTokenizer": [None, "tokenization_evil.EvilTokenizer"]}),
+        (
+            "config.json",
+            {"AutoConfig": "modeling_evil.EvilConfig", "AutoModelForCausalLM": "modeling_evil.EvilModel"},
+        ),
+    ):
+        data = json.loads((dest / name).read_text())
+        data["auto_map"] = auto_map
+        (dest / name).write_text(json.dumps(data))
+    return dest
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_exporting_an_untrusted_run_directory_runs_none_of_its_code(grpo_run, tmp_path, tiny_path, merge):
+    """A run directory whose config.yaml asks for trust_remote_code, on a base with code of its
+    own: the export CLI runs none of it (no marker file) and names the flag; only an explicit
+    --trust-remote-code runs it."""
+    marker = tmp_path / "marker"
+    base = evil_base(tiny_path, tmp_path / "evil", marker)
+    src = copy_run(grpo_run, tmp_path / "run", path=str(base), trust_remote_code=True)
+    cli = [sys.executable, "-m", "rlhf_lightning.export", str(src), *(["--merge"] if merge else [])]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([*cli, "--out", str(tmp_path / "out")], capture_output=True, text=True, env=env)
+    assert not marker.exists(), done.stderr[-2000:]  # nothing of the base's code ran
+    assert "--trust-remote-code" in done.stderr and "model.trust_remote_code=true" in done.stderr
+    trusted = subprocess.run(
+        [*cli, "--out", str(tmp_path / "trusted"), "--trust-remote-code"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert marker.exists(), trusted.stderr[-2000:]  # asked for explicitly: it runs
 
 
 def snapshot(directory: Path) -> dict[str, bytes]:

@@ -20,7 +20,8 @@ directory (``actor/``, ``critic/``, or a bare PEFT adapter; the base comes from 
   directory beside ``DIR`` and moved into place at the end: a failed export leaves ``DIR`` as it
   was (absent, or the previous export).
 - Checkpoints load with ``torch.load(weights_only=True)``: one holding other pickled objects
-  (which loading would execute) is refused.
+  (which loading would execute) is refused. The base's own code (``auto_map``) runs only with
+  ``--trust-remote-code``, never because the run's ``config.yaml`` asks for it.
 - ``--push-to-hub REPO`` uploads ``DIR`` to the Hugging Face Hub (``huggingface-cli login`` first).
 """
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
@@ -35,7 +37,7 @@ from transformers import PreTrainedTokenizerBase
 from rlhf_lightning.errors import ConfigError
 from rlhf_lightning.export.files import check_out, staged, write_export
 from rlhf_lightning.export.merge import merged_model
-from rlhf_lightning.export.source import Source, fail, one_line, resolve
+from rlhf_lightning.export.source import Source, fail, one_line, remote_code_hint, resolve
 from rlhf_lightning.models.adapters import CRITIC
 from rlhf_lightning.models.build import DTYPES, load_tokenizer
 
@@ -51,7 +53,7 @@ def _load_tokenizer(source: Source) -> PreTrainedTokenizerBase:
     except (ConfigError, OSError, ValueError, RuntimeError) as err:
         raise fail(
             f"cannot load the tokenizer {source.tokenizer!r} ({one_line(err)}); pass --base with a "
-            "local copy of the run's model and its tokenizer"
+            f"local copy of the run's model and its tokenizer{remote_code_hint(source)}"
         ) from err
 
 
@@ -78,6 +80,12 @@ def export(
     if dtype not in DTYPES and dtype != "auto":
         raise fail(f"--dtype {dtype}: choose one of auto, {', '.join(DTYPES)}")
     source = resolve(Path(src), which, base, revision=revision, trust_remote_code=trust_remote_code)
+    if source.run_trust_remote_code and not source.trust_remote_code:
+        print(
+            f"note: {src} was trained with model.trust_remote_code=true; export runs none of the base's "
+            "own code unless you pass --trust-remote-code",
+            file=sys.stderr,
+        )
     if source.actor is None and not merge:
         raise fail(f"{src} is a full fine-tuning run: it has no adapter to export; pass --merge")
     out = Path(os.path.abspath(out))  # "." and "x/.." have a name and a parent to stage beside
@@ -137,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         "--trust-remote-code",
         action="store_true",
         default=None,
-        help="run the base's own modelling code (default: the run's model.trust_remote_code)",
+        help="run the base's own modelling and tokenizer code (never by default, whatever the run's "
+        "model.trust_remote_code says: a run directory may come from anyone)",
     )
     ap.add_argument(
         "--dtype",

@@ -12,7 +12,7 @@ from typing import cast
 import torch
 from transformers import PreTrainedModel
 
-from rlhf_lightning.export.source import Source, fail, one_line
+from rlhf_lightning.export.source import Source, fail, one_line, remote_code_hint
 from rlhf_lightning.models.build import DTYPES, load_model
 
 CHECKPOINT_PREFIX = "policy.model."  # the LightningModule's keys for the wrapped model's weights
@@ -68,7 +68,8 @@ def checkpoint_weights(ckpt: Path) -> dict[str, torch.Tensor]:
 
 
 def load_base(source: Source, dtype: str) -> PreTrainedModel:
-    """The base model in ``dtype``, with the run's revision and trust_remote_code, in eval mode."""
+    """The base model in ``dtype``, with the run's revision (and its own code only with
+    ``--trust-remote-code``), in eval mode."""
     try:
         model = load_model(
             source.base, dtype=dtype, revision=source.revision, trust_remote_code=source.trust_remote_code
@@ -76,7 +77,7 @@ def load_base(source: Source, dtype: str) -> PreTrainedModel:
     except (OSError, ValueError, RuntimeError) as err:
         raise fail(
             f"cannot load the base model {source.base!r} ({one_line(err)}); pass --base with a local "
-            "copy of the model the run trained"
+            f"copy of the model the run trained{remote_code_hint(source)}"
         ) from err
     return model.eval()
 

@@ -24,7 +24,10 @@ class Source:
     critic: Path | None
     checkpoint: Path | None = None  # full fine-tuning: the Lightning checkpoint with the weights
     revision: str | None = None  # the base's (and tokenizer's) Hub revision
+    # Run the base's own code: only with --trust-remote-code, never because a run directory
+    # (someone else's, perhaps) asks for it; the run's own setting is kept to explain a failure.
     trust_remote_code: bool = False
+    run_trust_remote_code: bool = False
     dtype: str = "auto"  # the run's model.dtype: what a merge is cast to unless --dtype says otherwise
 
 
@@ -71,9 +74,9 @@ def _run_source(src: Path, which: str, base: str | None) -> Source:
     m = _run_model_config(config)
     base_path = base or str(m["path"])
     kwargs = {"pad_token": m.get("pad_token"), "chat_template": m.get("chat_template")}
-    revision, trust, dtype = (
+    revision, run_trust, dtype = (
         m.get("revision"),
-        bool(m.get("trust_remote_code")),
+        m.get("trust_remote_code") is True,
         str(m.get("dtype") or "auto"),
     )
     tokenizer = str(m.get("tokenizer_path") or base_path)
@@ -85,7 +88,7 @@ def _run_source(src: Path, which: str, base: str | None) -> Source:
                 f"a full fine-tuning run exports from {ckpt}, which does not exist; choose --which "
                 f"among {_choices(ckpts, '*.ckpt', '.ckpt')}"
             )
-        return Source(base_path, tokenizer, kwargs, None, None, ckpt, revision, trust, dtype)
+        return Source(base_path, tokenizer, kwargs, None, None, ckpt, revision, False, run_trust, dtype)
     adapters = ckpts / "adapters" / which
     if not adapters.is_dir():
         hint = ""
@@ -101,7 +104,7 @@ def _run_source(src: Path, which: str, base: str | None) -> Source:
             f"{adapters} holds no actor adapter (actor/adapter_config.json): the run's export is incomplete"
         )
     critic = adapter_dir(adapters, CRITIC)
-    return Source(base_path, tokenizer, kwargs, actor, critic, None, revision, trust, dtype)
+    return Source(base_path, tokenizer, kwargs, actor, critic, None, revision, False, run_trust, dtype)
 
 
 def _adapter_source(src: Path, base: str | None) -> Source:
@@ -133,7 +136,9 @@ def resolve(
     trust_remote_code: bool | None = None,
 ) -> Source:
     """Read ``src`` (a run directory or an adapter directory) into a :class:`Source`;
-    ``revision`` / ``trust_remote_code`` (given: not None) override the run's or the adapter's."""
+    ``revision`` (given: not None) overrides the run's or the adapter's. The base's own code runs
+    only with ``trust_remote_code=True`` (the CLI's ``--trust-remote-code``), whatever the run's
+    ``model.trust_remote_code`` says: a run directory is data, and may come from anyone."""
     src = Path(src)
     if not src.is_dir():
         raise fail(f"{src} is not a directory; give a run directory or an adapter directory")
@@ -141,6 +146,15 @@ def resolve(
     source.tokenizer_kwargs["need_chat_template"] = False
     if revision is not None:
         source.revision = revision
-    if trust_remote_code is not None:
-        source.trust_remote_code = trust_remote_code
+    source.trust_remote_code = trust_remote_code is True
     return source
+
+
+def remote_code_hint(source: Source) -> str:
+    """For a failed load: the run asked for the base's own code, which export runs only when told."""
+    if source.run_trust_remote_code and not source.trust_remote_code:
+        return (
+            "; the run was trained with model.trust_remote_code=true, but export never runs a model's "
+            "own code because a run directory says so: if you trust this base, pass --trust-remote-code"
+        )
+    return ""
