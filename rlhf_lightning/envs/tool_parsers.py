@@ -82,6 +82,17 @@ def get_tool_parser(name: str) -> ToolParser:
     return TOOL_PARSERS.get(name)
 
 
+# What decoding a reply's JSON may raise: bad JSON, or (RecursionError) JSON nested deeper than
+# Python's recursion limit, e.g. a reply caught in a repetition loop of brackets.
+JSON_ERRORS = (json.JSONDecodeError, RecursionError)
+
+
+def _why(err: Exception) -> str:
+    if isinstance(err, RecursionError):
+        return "nested too deeply"
+    return str(err)
+
+
 def _short(text: str) -> str:
     text = text.strip()
     return text if len(text) <= MAX_FRAGMENT_CHARS else text[:MAX_FRAGMENT_CHARS] + "..."
@@ -100,8 +111,8 @@ def call_from_object(obj: Any, text: str, arguments_keys: tuple[str, ...]) -> To
     if isinstance(args, str):
         try:
             args = json.loads(args)
-        except json.JSONDecodeError as err:
-            return MalformedCall(_short(text), f'"{key}" is a string that is not JSON ({err})', name)
+        except JSON_ERRORS as err:
+            return MalformedCall(_short(text), f'"{key}" is a string that is not JSON ({_why(err)})', name)
     if not isinstance(args, dict):
         return MalformedCall(
             _short(text), f'"{key}" must be a JSON object of arguments, got {type(args).__name__}', name
@@ -112,8 +123,8 @@ def call_from_object(obj: Any, text: str, arguments_keys: tuple[str, ...]) -> To
 def _json_call(body: str, arguments_keys: tuple[str, ...]) -> ToolCall | MalformedCall:
     try:
         obj = json.loads(body)
-    except json.JSONDecodeError as err:
-        return MalformedCall(_short(body), f"invalid JSON ({err})")
+    except JSON_ERRORS as err:
+        return MalformedCall(_short(body), f"invalid JSON ({_why(err)})")
     return call_from_object(obj, body, arguments_keys)
 
 
@@ -155,8 +166,8 @@ def _json_values(text: str, separators: str) -> list[tuple[Any, str, str | None]
             return out
         try:
             value, end = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError as err:
-            out.append((None, text[pos:], f"invalid JSON ({err})"))
+        except JSON_ERRORS as err:
+            out.append((None, text[pos:], f"invalid JSON ({_why(err)})"))
             return out
         out.append((value, text[pos:end], None))
         pos = end
@@ -197,8 +208,8 @@ def parse_mistral(reply: str) -> ParsedReply:
     parsed = ParsedReply(content=content)
     try:
         value, end = json.JSONDecoder().raw_decode(body)
-    except json.JSONDecodeError as err:
-        parsed.items.append(MalformedCall(_short(body), f"invalid JSON ({err})"))
+    except JSON_ERRORS as err:
+        parsed.items.append(MalformedCall(_short(body), f"invalid JSON ({_why(err)})"))
         return parsed
     objects = value if isinstance(value, list) else [value]
     for obj in objects:

@@ -146,3 +146,25 @@ def test_pythonic_malformed_calls_are_not_run():
     assert broken.items[0].error.startswith("not a Python list of calls (")
     assert not parse_pythonic("[1, 2, 3]").has_calls
     assert not parse_pythonic("The result is 12.").has_calls
+
+
+DEEP = 5000  # far past Python's recursion limit (1000): what a repetition loop of brackets writes
+NESTED = "[" * DEEP + "]" * DEEP
+
+
+@pytest.mark.parametrize(
+    ("parser", "reply"),
+    [
+        (parse_hermes, f"<tool_call>{NESTED}</tool_call>"),
+        (parse_hermes, '<tool_call>{"name": "add", "arguments": ' + NESTED + "}</tool_call>"),
+        (parse_hermes, '<tool_call>{"name": "add", "arguments": "' + NESTED + '"}</tool_call>'),  # a string
+        (parse_llama3_json, '{"name": "add", "parameters": ' + NESTED + "}"),
+        (parse_llama3_json, '{"name": "add", "parameters": {}}; {"a": ' + NESTED + "}"),
+        (parse_mistral, f"[TOOL_CALLS]{NESTED}"),
+        (parse_mistral, '[{"name": "add", "arguments": ' + NESTED + "}]"),
+    ],
+)
+def test_json_nested_too_deeply_is_a_malformed_call_not_an_error(parser, reply):
+    parsed = parser(reply)  # raised RecursionError, which ended the run under on_reward_error=raise
+    assert parsed.has_calls
+    assert any(isinstance(i, MalformedCall) and "nested too deeply" in i.error for i in parsed.items)
