@@ -137,6 +137,10 @@ class PPOConfig(RolloutAlgoConfig):
     lr_critic: float | None = None  # default: lr
     share_grad_clip: bool = True  # clip actor and critic by their combined norm (else each separately)
     critic_warmup_steps: int = 0  # first learn steps update the critic only, on Monte-Carlo returns
+    # A reply cut at max_new_tokens ends its episode in a terminal state (value 0), even when a
+    # multi-turn env had not ended it; true: bootstrap from the critic's value there, as for an
+    # episode stopped by max_turns, max_model_len or the env's own truncation (those always do)
+    bootstrap_cut_replies: bool = False
     entropy_coef: float = 0.0
     # One backward for actor and critic losses of a micro-batch; false: two (less activation memory).
     fuse_actor_critic_pass: bool = True

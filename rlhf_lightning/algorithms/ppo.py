@@ -36,9 +36,11 @@ class PPOModule(RolloutModule):
     first token (``turn_value_reduction=state``), GAE discounts across turns (``gamma``,
     ``gae_lambda``) and each turn's advantage applies to all its tokens. Single-turn episodes
     can use token-level GAE instead (``advantage_granularity``; on multi-turn episodes each
-    turn's reward then lands on its last token and GAE runs over the action tokens of all turns). An episode that reached no
-    terminal state (a reply cut at ``max_new_tokens``, or ``max_turns`` / ``max_model_len``)
-    bootstraps from the critic's value where it stopped. The clipped surrogate's ratio is per
+    turn's reward then lands on its last token and GAE runs over the action tokens of all turns). An episode stopped
+    before a terminal state (``max_turns``, ``max_model_len``, the env's own truncation)
+    bootstraps from the critic's value where it stopped; a reply cut at ``max_new_tokens`` ends
+    its episode in a terminal state (no next turn can follow it) unless
+    ``bootstrap_cut_replies``. The clipped surrogate's ratio is per
     token, per turn or per trajectory (``importance_sampling_level``). The first
     ``critic_warmup_steps`` training steps update the critic only, on Monte-Carlo returns.
     """
@@ -83,7 +85,9 @@ class PPOModule(RolloutModule):
             step_r = step_r + token_sums_to_steps(kl_rewards, steps_idx, steps)
         step_mask = torch.arange(steps, device=self.device)[None, :] < (steps_idx.max(-1).values + 1)[:, None]
         lam = 1.0 if self.warming_up else hp.gae_lambda
-        bootstrap = boot * traj.truncated.to(boot.dtype)  # terminal states are worth 0
+        # Terminal states are worth 0; so is the state after a cut reply, unless asked otherwise.
+        goes_on = traj.truncated & (~traj.cut | hp.bootstrap_cut_replies)
+        bootstrap = boot * goes_on.to(boot.dtype)
         adv, step_returns = get_advantage_estimator("gae")(
             step_r, old_step_v, step_mask, gamma=hp.gamma, lam=lam, bootstrap=bootstrap
         )

@@ -77,18 +77,26 @@ def test_perfect_critic_state_value_is_the_baseline():
     assert PPOConfig().turn_value_reduction == "state"
 
 
-@pytest.mark.parametrize("truncated", [False, True])
-def test_single_turn_bootstraps_only_when_truncated(truncated):
-    finish = ["length" if truncated else "stop"]
+# How an episode ended -> (truncated, cut): terminal; stopped by max_turns / max_model_len / the
+# env's truncation; its last reply cut at max_new_tokens before the env ended it.
+ENDS = {"terminal": (False, False), "stopped": (True, False), "cut": (True, True)}
+
+
+@pytest.mark.parametrize("bootstrap_cut", [False, True])
+@pytest.mark.parametrize("ended", sorted(ENDS))
+def test_single_turn_bootstraps_only_when_stopped_before_the_end(ended, bootstrap_cut):
+    truncated, cut = ENDS[ended]
+    finish = ["length" if cut else "stop"]
     batch = distinct_prefixes(
-        collate([trajectory([5, 6, 7, 8], [-1, -1, 0, 0], [0.0], finish, truncated)], 0)
+        collate([trajectory([5, 6, 7, 8], [-1, -1, 0, 0], [0.0], finish, truncated, cut)], 0)
     )
     table = torch.tensor([[0.0, 0.3, 0.8, 0.5, 9.0]])  # column 3: after the last token (bootstrap)
-    m = module(table, gamma=1.0, gae_lambda=1.0)
+    m = module(table, gamma=1.0, gae_lambda=1.0, bootstrap_cut_replies=bootstrap_cut)
     rewards = batch.rewards.float()
     found = m.compute_advantages(batch, rewards, rewards.sum(-1))
     adv = found.tokens
-    want = 0.0 + (0.5 if truncated else 0.0) - 0.3
+    boots = ended == "stopped" or (ended == "cut" and bootstrap_cut)
+    want = 0.0 + (0.5 if boots else 0.0) - 0.3
     torch.testing.assert_close(adv[0, 1:3], torch.tensor([want, want]), atol=1e-6, rtol=0)
 
 
@@ -131,26 +139,32 @@ def test_a_cut_reply_the_env_scored_is_terminal(tiny_tokenizer, reward):
     torch.testing.assert_close(targets, torch.tensor([reward, reward]))
 
 
-@pytest.mark.parametrize("truncated", [False, True])
-def test_two_turns_gae_by_hand(truncated):
-    # turn 0: tokens 2-3, observation 4-5, turn 1: tokens 6-7; cut by max_turns when truncated
+@pytest.mark.parametrize("bootstrap_cut", [False, True])
+@pytest.mark.parametrize("ended", sorted(ENDS))
+def test_two_turns_gae_by_hand(ended, bootstrap_cut):
+    """turn 0: tokens 2-3, observation 4-5, turn 1: tokens 6-7. The episode ended in a terminal
+    state, was stopped by max_turns, or its second reply was cut at max_new_tokens while the
+    multi-turn env had not ended it: a cut is terminal unless bootstrap_cut_replies."""
+    truncated, cut = ENDS[ended]
     tokens, turns = [5, 6, 7, 8, 9, 10, 11, 12], [-1, -1, 0, 0, -1, -1, 1, 1]
-    t = trajectory(tokens, turns, [0.2, 1.0], ["stop", "stop"], truncated)
+    t = trajectory(tokens, turns, [0.2, 1.0], ["stop", "length" if cut else "stop"], truncated, cut)
     batch = distinct_prefixes(collate([t], 0))
     v0, v1, vb = 0.4, 0.6, 0.9  # columns 1 (turn 0's state), 5 (turn 1's state), 7 (after the end)
     table = torch.tensor([[0.0, v0, 7.0, 0.0, 0.0, v1, 7.0, vb, 0.0]])
     gamma, lam = 0.9, 0.8
-    m = module(table, gamma=gamma, gae_lambda=lam)
+    m = module(table, gamma=gamma, gae_lambda=lam, bootstrap_cut_replies=bootstrap_cut)
     rewards = batch.rewards.float()
     found = m.compute_advantages(batch, rewards, rewards.sum(-1))
     adv = found.tokens
-    boot = vb if truncated else 0.0
+    boot = vb if ended == "stopped" or (ended == "cut" and bootstrap_cut) else 0.0
     d1 = 1.0 + gamma * boot - v1
     d0 = 0.2 + gamma * v1 - v0
     a1, a0 = d1, d0 + gamma * lam * d1
     torch.testing.assert_close(adv[0, [1, 2]], torch.tensor([a0, a0]), atol=1e-6, rtol=0)
     torch.testing.assert_close(adv[0, [5, 6]], torch.tensor([a1, a1]), atol=1e-6, rtol=0)
     assert adv[0, [0, 3, 4]].abs().sum() == 0
+    assert found.critic is not None  # the critic's target for turn 1 is r + gamma * V_after
+    torch.testing.assert_close(found.critic.returns[0, 1], torch.tensor(1.0 + gamma * boot))
 
 
 def test_reduce_to_steps_state_reads_the_first_token():
