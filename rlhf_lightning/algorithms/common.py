@@ -66,7 +66,9 @@ class ModuleMixin(L.LightningModule):
         # Checkpoints hold trainable weights only; the frozen base reloads from model.path.
         self.strict_loading = False
         self.policy, self.hp = policy, hp
-        self.health = StepHealth()  # steps skipped for a non-finite gradient (checkpointed)
+        # Steps skipped for a non-finite gradient (checkpointed): one record per optimizer, so
+        # each member of a population side by side has its own streak.
+        self.healths: list[StepHealth] = [StepHealth()]
 
     @property
     def world_size(self) -> int:
@@ -142,12 +144,21 @@ class ModuleMixin(L.LightningModule):
         self.skip_if_nonfinite(self._grad_metrics)
 
     @property
+    def health(self) -> StepHealth:
+        """The stepping optimizer's record (a population member's own, side by side)."""
+        i = self.optimizer_index() or 0
+        while len(self.healths) <= i:
+            self.healths.append(StepHealth())
+        return self.healths[i]
+
+    @property
     def nonfinite_streak(self) -> int:
-        return self.health.nonfinite_streak
+        """The longest run of skipped steps in a row of any optimizer (the guard stops on it)."""
+        return max(h.nonfinite_streak for h in self.healths)
 
     @property
     def skipped_steps(self) -> int:
-        return self.health.skipped_steps
+        return sum(h.skipped_steps for h in self.healths)
 
     def skip_if_nonfinite(self, grad_metrics: Metrics) -> None:
         """Drop a step's gradients when a gradient norm is not finite (:class:`StepHealth`)."""
@@ -201,10 +212,13 @@ class ModuleMixin(L.LightningModule):
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
         checkpoint["trainable_only"] = True
         checkpoint["rng_states"] = rng.gather(rng.capture(self.rng_generators()), self.world_size)
-        checkpoint["guard"] = self.health.state_dict()
+        checkpoint["guard"] = {**self.healths[0].state_dict(), "each": [h.state_dict() for h in self.healths]}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self.health.load_state_dict(checkpoint.get("guard", {}))
+        guard = checkpoint.get("guard", {})
+        self.healths = [StepHealth() for _ in guard.get("each", [guard])]
+        for h, state in zip(self.healths, guard.get("each", [guard])):
+            h.load_state_dict(state)
         states = checkpoint.get("rng_states")
         if states:
             self._pending_rng = states[self.rank] if self.rank < len(states) else states[0]

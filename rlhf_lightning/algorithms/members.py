@@ -22,7 +22,12 @@ from typing import Any, cast
 import torch
 from peft import PeftModel
 
-from rlhf_lightning.algorithms.optimizer import adamw_with_schedule, refresh_reference, set_base_lrs
+from rlhf_lightning.algorithms.optimizer import (
+    StepHealth,
+    adamw_with_schedule,
+    refresh_reference,
+    set_base_lrs,
+)
 from rlhf_lightning.errors import ConfigError
 from rlhf_lightning.models.adapters import copy_adapter
 
@@ -272,14 +277,22 @@ class MemberAPI:
         """Member ``k``'s weights by name, detached but not copied: to read, never to keep."""
         return {n: p.detach() for n, p in self._member_params(k).items()}
 
+    def member_health(self, k: int) -> StepHealth:
+        """Member ``k``'s record of skipped non-finite steps (its own streak for the guard)."""
+        healths: list[StepHealth] = cast(Any, self).healths
+        while len(healths) <= k:
+            healths.append(StepHealth())
+        return healths[k]
+
     def member_state(self, k: int) -> dict[str, Any]:
         """Copies of everything member ``k`` is: its adapters' weights, its optimizer's and
-        schedule's state, its hyper-parameters."""
+        schedule's state, its hyper-parameters and its guard record."""
         return {
             "weights": {n: w.clone() for n, w in self.member_weights(k).items()},
             "optimizer": copy.deepcopy(self.member_optimizer(k).state_dict()),
             "scheduler": copy.deepcopy(self.member_scheduler(k).state_dict()),
             "hparams": dict(cast(MemberBank, self.members).hparams[k]),
+            "health": self.member_health(k).state_dict(),
         }
 
     def load_member_state(self, k: int, state: dict[str, Any]) -> None:
@@ -293,6 +306,7 @@ class MemberAPI:
                 params[n].copy_(w)
         self.member_optimizer(k).load_state_dict(copy.deepcopy(state["optimizer"]))  # nothing shared
         self.member_scheduler(k).load_state_dict(copy.deepcopy(state["scheduler"]))
+        self.member_health(k).load_state_dict(state.get("health", {}))
         self.set_member_hparams(k, state["hparams"])
         bank = cast(MemberBank, self.members)
         if bank.active == k:

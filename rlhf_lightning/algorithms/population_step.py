@@ -52,9 +52,10 @@ class PopulationStep(MemberAPI):
 
     def member_rollouts(
         self, rows: list[int], evaluation: bool = False, temperature: float | None = None
-    ) -> dict[str, RolloutResult]:
+    ) -> tuple[dict[str, RolloutResult], dict[str, float]]:
         """Every member's episodes for ``rows``, sampled side by side: one engine call per distinct
-        temperature (``temperature``: one for all, e.g. fitness); evaluation: one episode per row."""
+        temperature (``temperature``: one for all, e.g. fitness); evaluation: one episode per row.
+        Also the metrics the calls report for all their episodes at once (:func:`call_metrics`)."""
         bank = cast(MemberBank, self.members)
         module = cast(Any, self)
         if hasattr(self.engine, "sync_adapters"):  # vLLM: one LoRA slot per member, loaded in place
@@ -64,6 +65,7 @@ class PopulationStep(MemberAPI):
             t = temperature if temperature is not None else self.member_sampling(k).temperature
             calls.setdefault(float(t), []).append(k)
         out: dict[str, RolloutResult] = {}
+        whole: list[dict[str, float]] = []
         for t, ks in calls.items():
             params = dataclasses.replace(self.member_sampling(ks[0]), temperature=t)
             sizes = [1 if evaluation else int(self.member_hp(k).group_size) for k in ks for _ in rows]
@@ -72,10 +74,10 @@ class PopulationStep(MemberAPI):
                 rows * len(ks), params, group_size=1, evaluation=evaluation, adapters=names, group_sizes=sizes
             )
             split = split_by_adapter(result.trajectories, [bank.adapters[k] for k in ks], self.pad_id)
-            for name, r in split.items():
-                r.metrics.update({k: v for k, v in result.metrics.items() if k not in r.metrics})
-                out[name] = r
-        return {name: out[name] for name in bank.adapters}
+            out.update(split)
+            own = set().union(*(r.metrics for r in split.values()))
+            whole.append({k: v for k, v in result.metrics.items() if k not in own})
+        return {name: out[name] for name in bank.adapters}, call_metrics(whole)
 
     @property
     def pad_id(self) -> int:
@@ -86,7 +88,7 @@ class PopulationStep(MemberAPI):
         module = cast(Any, self)
         bank = cast(MemberBank, self.members)
         t_start = time.perf_counter()
-        results = self.member_rollouts(batch.tolist())
+        results, whole = self.member_rollouts(batch.tolist())
         module.rollouts_done()
         t_rollout = time.perf_counter() - t_start
         per_member: list[Metrics] = []
@@ -102,6 +104,7 @@ class PopulationStep(MemberAPI):
         shown = mean_over_members(per_member)
         for k, m in enumerate(per_member):
             shown.update({f"member_{k}/{key}": v for key, v in m.items()})
+        shown.update({k: torch.tensor(v) for k, v in whole.items()})  # once, for the whole rollout
         shown["perf/step_s"] = torch.tensor(step_s)
         shown["perf/rollout_s"] = torch.tensor(t_rollout)
         shown["population/member_updates"] = torch.tensor(float(module.global_step))
@@ -113,8 +116,25 @@ class PopulationStep(MemberAPI):
     def score_members(self, rows: list[int], temperature: float) -> list[RolloutResult]:
         """Every member's evaluation episodes for ``rows`` at one ``temperature``, in one call."""
         bank = cast(MemberBank, self.members)
-        results = self.member_rollouts(rows, evaluation=True, temperature=temperature)
+        results, _ = self.member_rollouts(rows, evaluation=True, temperature=temperature)
         return [results[name] for name in bank.adapters]
+
+
+# Counts a rollout call reports for all its episodes: summed over the calls of a step.
+CALL_COUNTS = ("rollout/dropped_long_prompts", "env/reward_errors", "env/step_timeouts")
+
+
+def call_metrics(calls: list[dict[str, float]]) -> dict[str, float]:
+    """The metrics that rollout calls report for all their episodes at once, not per member
+    (dropped prompts, env errors and timeouts, a reward model's batch statistics): counts summed
+    over the calls, anything else their mean. Logged once under the plain names, never copied
+    into every ``member_k/*``."""
+    keys = sorted(set().union(*calls)) if calls else []
+    out = {}
+    for k in keys:
+        values = [c[k] for c in calls if k in c]
+        out[k] = float(sum(values)) if k in CALL_COUNTS else float(sum(values) / len(values))
+    return out
 
 
 def mean_over_members(per_member: list[Metrics]) -> Metrics:

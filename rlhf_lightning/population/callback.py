@@ -119,6 +119,7 @@ class Population(ResidentMember, Generations, L.Callback):
             "resident": self.resident,
             "steps": self.steps,
             "next_id": self.next_id,
+            "scored_at": self.scored_at,
             "rng": self.rng.getstate(),
             "lineage": [dict(r) for r in self.lineage],
         }

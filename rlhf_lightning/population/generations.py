@@ -106,6 +106,7 @@ class Generations:
         self.rng = random.Random(seed)
         self.members = []
         self.steps = 0  # training steps (round-robin) or population steps (side by side)
+        self.scored_at: int | None = None  # the step count of the last scoring (every member then)
         self.next_id = 0
         self.lineage = []
         self.snapshots: list[threading.Thread] = []
@@ -141,6 +142,7 @@ class Generations:
         """Members, counters, the evolution's RNG and the lineage from a checkpoint's state."""
         self.members = [Member(**m) for m in state["members"]]
         self.steps, self.next_id = state["steps"], state["next_id"]
+        self.scored_at = state.get("scored_at")
         self.rng.setstate(state["rng"])
         self.lineage = [dict(r) for r in state["lineage"]]
 
@@ -153,11 +155,15 @@ class Generations:
             self.show(self.best_slot())
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Wait for the snapshots; the fittest member on the model, its adapters written."""
+        """Wait for the snapshots; every member scored now unless the last evolution just did
+        (a fitness from before the last updates, or a child's that was never scored, must not
+        pick the member to export); the fittest member on the model, its adapters written."""
         for t in self.snapshots:
             t.join()
         if not self.members:
             return
+        if self.scored_at != self.steps:
+            self.assign_fitness(self.score(trainer))
         best = self.best_slot()
         self.show(best)
         if trainer.is_global_zero:
@@ -251,19 +257,24 @@ class Generations:
             out.append(module.rollout(rows, params, group_size=1, evaluation=True))
         return out
 
+    def assign_fitness(self, fitness: list[float]) -> None:
+        """Every member's fitness, scored now (at :attr:`steps`)."""
+        for m, f in zip(self.members, fitness, strict=True):
+            m.fitness = f
+        self.scored_at = self.steps
+
     def evolve(self, trainer: L.Trainer) -> None:
         fitness = self.score(trainer)  # scoring stored every member it swapped out; none trained since
-        for m, f in zip(self.members, fitness):
-            m.fitness = f
+        self.assign_fitness(fitness)
         step, best = trainer.global_step, self.best_slot()
         best_lr = float(self.members[best].hparams.get("lr", 0.0))
         parents = tournament_select(fitness, self.rng, self.tournament_size, self.elitism)
         new: list[Member] = []
         for slot, p in enumerate(parents):
             parent = self.members[p]
-            if slot == 0 and self.elitism:
+            if slot == 0 and self.elitism:  # the same member, just scored: its fitness holds
                 child, event, how = parent.clone(parent.id), "elite", "none"
-                child.parent = parent.parent
+                child.parent, child.fitness = parent.parent, parent.fitness
             else:
                 child = parent.clone(self.next_id)
                 self.next_id += 1
@@ -294,6 +305,14 @@ class Generations:
         """What else of a member the ranks compare after selection (side by side: its weights)."""
         return []
 
+    def digest_rows(self) -> torch.Tensor:
+        """Per member: its id, its hyper-parameters and :meth:`member_digest` (float64)."""
+        rows = [
+            [float(m.id), *(float(m.hparams.get(k) or 0.0) for k in MUTABLE), *self.member_digest(i)]
+            for i, m in enumerate(self.members)
+        ]
+        return torch.tensor(rows, dtype=torch.float64, device=self.module.device)
+
     def check_ranks_agree(self) -> None:
         """Every rank must hold the same population after selection (same seed, same gathered
         fitness): a cheap digest of ids and hyper-parameters (and :meth:`member_digest`) is
@@ -301,12 +320,7 @@ class Generations:
         module = self.module
         if module.world_size <= 1:
             return
-        rows = [
-            [float(m.id), *(float(m.hparams.get(k) or 0.0) for k in MUTABLE), *self.member_digest(i)]
-            for i, m in enumerate(self.members)
-        ]
-        digest = torch.tensor(rows, dtype=torch.float64, device=module.device)
-        gathered = module.all_gather(digest)
+        gathered = module.all_gather(self.digest_rows())
         if not bool((gathered == gathered[0]).all()):
             raise RuntimeError(
                 f"population: ranks disagree after selection at step {self.steps}: {gathered.tolist()}"

@@ -34,7 +34,8 @@ class Member:
     counters: dict[str, int] = field(default_factory=dict)
 
     def clone(self, new_id: int) -> Member:
-        """An independent copy (tensors cloned, nothing shared) with a new id, parented here."""
+        """An independent copy (tensors cloned, nothing shared) with a new id, parented here. It
+        has no fitness of its own until it is scored (its parent's describes the parent)."""
         return Member(
             new_id,
             dict(self.hparams),
@@ -42,7 +43,7 @@ class Member:
             copy.deepcopy(self.optimizer),
             copy.deepcopy(self.scheduler),
             parent=self.id,
-            fitness=self.fitness,
+            fitness=None,
             reference=[w.clone() for w in self.reference],
             counters=dict(self.counters),
         )

@@ -15,6 +15,7 @@ the bookkeeping: ids, parents, fitness, the lineage and snapshots.
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,14 @@ import torch
 from rlhf_lightning.population.checks import check_member
 from rlhf_lightning.population.generations import Generations
 from rlhf_lightning.population.members import Member
+from rlhf_lightning.runtime.channel import write_atomic
+
+
+def tensor_digest(w: torch.Tensor) -> tuple[float, float]:
+    """``w``'s sum and its sum weighted by position (1 at the first element, 2 at the last)."""
+    flat = w.detach().double().flatten()
+    ramp = torch.linspace(1.0, 2.0, flat.numel(), dtype=torch.float64, device=flat.device)
+    return float(flat.sum()), float((flat * ramp).sum())
 
 
 class SideBySidePopulation(Generations, L.Callback):
@@ -67,6 +76,29 @@ class SideBySidePopulation(Generations, L.Callback):
     def show(self, slot: int) -> None:
         self.module.show_member(slot)
 
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: Any) -> None:
+        """The fittest member (by its last fitness; slot 0 before any member is scored) in the
+        trainable slots, so the adapters exported with this checkpoint (``adapters/step_N``,
+        ``adapters/last``, after this callback) are that member's; ``member.json`` beside them
+        names it."""
+        if not self.members:
+            return
+        best = self.best_slot()
+        self.show(best)
+        if trainer.is_global_zero:
+            m = self.members[best]
+            info = {
+                "step": trainer.global_step,
+                "slot": best,
+                "id": m.id,
+                "fitness": m.fitness,
+                "hparams": m.hparams,
+            }
+            adapters = self.output_dir / "checkpoints" / "adapters"
+            for d in (adapters / f"step_{trainer.global_step:06d}", adapters / "last"):
+                d.mkdir(parents=True, exist_ok=True)
+                write_atomic(d / "member.json", json.dumps(info, indent=1).encode())
+
     # ------------------------------------------------------------------ generations
     def member_results(self, rows: list[int], temperature: float) -> list[Any]:
         """Every member's evaluation episodes for ``rows``, all in one engine call."""
@@ -80,9 +112,11 @@ class SideBySidePopulation(Generations, L.Callback):
             self.module.load_member_state(slot, state | {"hparams": dict(self.members[slot].hparams)})
 
     def member_digest(self, slot: int) -> list[float]:
-        """The sum of the member's adapter weights in float64."""
-        weights = self.module.member_weights(slot).values()
-        return [float(sum(w.double().sum() for w in weights))]
+        """Two numbers per weight tensor, in name order: its sum and a position-weighted sum
+        (float64), so tensors in other slots, values moved within a tensor and drifts that
+        cancel out in a sum all show."""
+        weights = self.module.member_weights(slot)
+        return [v for name in sorted(weights) for v in tensor_digest(weights[name])]
 
     # ------------------------------------------------------------------ state
     def population_state(self, with_members: bool = False) -> dict[str, Any]:
@@ -98,6 +132,7 @@ class SideBySidePopulation(Generations, L.Callback):
             "members": members,
             "steps": self.steps,
             "next_id": self.next_id,
+            "scored_at": self.scored_at,
             "rng": self.rng.getstate(),
             "lineage": [dict(r) for r in self.lineage],
         }

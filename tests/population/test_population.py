@@ -46,7 +46,8 @@ def test_clone_copies_weights_and_optimizer_state_and_shares_nothing():
     }
     m = Member(7, {"lr": 1e-3}, w, opt, {"last_epoch": 4}, fitness=0.5)
     c = m.clone(9)
-    assert (c.id, c.parent, c.hparams, c.fitness) == (9, 7, {"lr": 1e-3}, 0.5)
+    # a clone has no fitness of its own until it is scored (its parent's described the parent)
+    assert (c.id, c.parent, c.hparams, c.fitness) == (9, 7, {"lr": 1e-3}, None)
     assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr() for a, b in zip(c.weights, m.weights))
     a, b = c.optimizer["state"][0]["exp_avg"], m.optimizer["state"][0]["exp_avg"]
     assert torch.equal(a, b) and a.data_ptr() != b.data_ptr()

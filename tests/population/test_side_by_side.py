@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import json
 
 import lightning as L
 import pytest
@@ -78,7 +79,7 @@ def test_each_member_updates_exactly_as_a_single_run_with_its_hyper_parameters(t
     trainable slots end."""
 
     def member_rollouts(self, rows, evaluation=False, temperature=None):
-        return {name: seeded_rollout(self, rows, k) for k, name in enumerate(self.members.adapters)}
+        return {name: seeded_rollout(self, rows, k) for k, name in enumerate(self.members.adapters)}, {}
 
     def training_rollout(self, rows):
         return seeded_rollout(self, rows, None), {}
@@ -148,6 +149,10 @@ def test_max_steps_counts_member_updates_and_the_log_shows_both(tmp_path):
     lineage = list(csv.DictReader((out / "lineage.csv").open()))
     assert [r["event"] for r in lineage] == ["init", "init"] + ["elite", "clone"] * 3
     assert (out / "population" / "best" / "actor" / "adapter_config.json").is_file()
+    # Counts of the whole rollout are logged once, not copied into every member's columns.
+    header = next(csv.reader((out / "metrics.csv").open()))
+    for key in ("rollout/dropped_long_prompts", "env/reward_errors"):
+        assert key in header and not any(h.endswith(f"/{key}") and h.startswith("member_") for h in header)
 
 
 def test_max_steps_must_be_a_whole_number_of_population_steps(tmp_path):
@@ -228,21 +233,63 @@ def test_a_snapshot_holds_every_member_as_it_was_at_its_step(tmp_path):
 
 @pytest.mark.slow
 def test_members_differ_in_group_size_and_temperature(tmp_path):
-    """Each member samples its own group size at its own temperature (one engine call each
-    temperature); its update sees only its own rows."""
-    sizes = []
+    """Each member samples its own group size at its own temperature (the engine is called at it,
+    with that member's rows) and its update sees exactly its own episodes: prompts x its group size,
+    all from its adapter."""
+    seen = []  # per population step: [(group size, temperature)] and what each update and call got
 
-    class Sizes(L.Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            sizes.append([(h["group_size"], h["temperature"]) for h in pl_module.members.hparams])
+    class Record(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            step = {"hp": [(int(h["group_size"]), float(h["temperature"])) for h in pl_module.members.hparams],
+                    "calls": [], "updates": [], "prompts": len(batch)}  # fmt: skip
+            seen.append(step)
+
+    def spy(module):
+        generate, update, step = module.engine.generate, module.finalize_rewards, module.population_step
+        training = [False]  # the step's own calls, not the fitness scoring after it
+
+        def recorded_generate(prompts, params, adapters=None):
+            if training[0]:
+                seen[-1]["calls"].append((params.temperature, sorted(set(adapters or []))))
+            return generate(prompts, params, adapters=adapters) if adapters else generate(prompts, params)
+
+        def recorded_update(result):
+            trajs = result.trajectories
+            seen[-1]["updates"].append((module.members.active, len(trajs), {t.adapter for t in trajs}))
+            return update(result)
+
+        def recorded_step(batch):
+            training[0] = True
+            try:
+                return step(batch)
+            finally:
+                training[0] = False
+
+        module.engine.generate, module.finalize_rewards = recorded_generate, recorded_update
+        module.population_step = recorded_step
+
+    class Hook(L.Callback):
+        def setup(self, trainer, pl_module, stage):
+            if stage == "fit":
+                spy(pl_module)
 
     space = "population.mutate={group_size:{low:2,high:8,scale:2},temperature:{low:0.5,high:2.0,scale:2}}"
     out = tmp_path / "run"
-    run(compose_config([*POP, space, "trainer.max_steps=8"], output_dir=out), extra_callbacks=[Sizes()])
-    rows = [r for r in csv.DictReader((out / "metrics.csv").open()) if r.get("member_0/rollout/reward_mean")]
-    assert len(rows) == 4
-    assert any(a != b for a, b in sizes)  # the members differed at some step
-    assert {g for step in sizes for g, _ in step} - {4} or {t for step in sizes for _, t in step} - {1.0}
+    run(
+        compose_config([*POP, space, "trainer.max_steps=8"], output_dir=out),
+        extra_callbacks=[Hook(), Record()],
+    )
+    assert len(seen) == 4
+    assert any(len(set(step["hp"])) > 1 for step in seen)  # the members differed at some step
+    for step in seen:
+        temps = {t for _, t in step["hp"]}
+        for t, adapters in step["calls"]:  # one call per temperature (and turn), for exactly its members
+            assert t in temps
+            assert adapters == sorted(f"member_{k}" for k, (_, tk) in enumerate(step["hp"]) if tk == t)
+        assert [(k, n) for k, n, _ in step["updates"]] == [
+            (k, step["prompts"] * g) for k, (g, _) in enumerate(step["hp"])
+        ]
+        assert [a for _, _, a in step["updates"]] == [{f"member_{k}"} for k in range(2)]
 
 
 def test_mutations_are_checked_by_the_module():
@@ -279,28 +326,69 @@ def test_what_side_by_side_does_not_cover_is_refused_with_the_fix(tmp_path, extr
         validate(compose_config([*POP, *extra], output_dir=tmp_path))
 
 
+class FakeMembers:
+    """Two ranks' member weights: ``all_gather`` stacks this rank's digest with rank 1's, which
+    :func:`two_ranks` computes from rank 1's own (perturbed) weights."""
+
+    world_size, device = 2, "cpu"
+
+    def __init__(self, weights: list[dict[str, torch.Tensor]]) -> None:
+        self.weights = weights
+        self.other: SideBySidePopulation | None = None
+
+    def member_weights(self, k):
+        return self.weights[k]
+
+    def all_gather(self, t):
+        assert self.other is not None
+        return torch.stack([t, self.other.digest_rows()])
+
+
+def two_ranks(rank1: list[dict[str, torch.Tensor]]) -> SideBySidePopulation:
+    """Rank 0's population (two members, two tensors each), whose rank 1 holds ``rank1``."""
+    base = [
+        {"0:a": torch.arange(4.0).reshape(2, 2) + k, "0:b": torch.arange(4.0).reshape(2, 2) * (k + 2)}
+        for k in range(2)
+    ]
+    pops = []
+    for weights in (base, rank1):
+        pop = SideBySidePopulation(2, 1, {}, "/tmp/unused")
+        pop.module = FakeMembers(weights)
+        pop.members = [Member(0, {"lr": 1e-3}), Member(1, {"lr": 2e-3})]
+        pops.append(pop)
+    pops[0].module.other = pops[1]
+    return pops[0]
+
+
 def test_ranks_whose_member_weights_differ_stop_the_run():
-    """The digest compares each member's weights too: the same ids and hyper-parameters with
-    other weights on rank 1 stop the run."""
+    """The digest compares each member's weights tensor by tensor: the same ids and
+    hyper-parameters with other weights on rank 1 stop the run, even where a sum of all the
+    member's weights is the same (values moved, drifts that cancel, tensors swapped)."""
 
-    class FakeModule:
-        world_size, device = 2, "cpu"
+    def rank1(change):
+        weights = [{n: w.clone() for n, w in m.items()} for m in two_ranks([{}, {}]).module.weights]
+        change(weights)
+        return weights
 
-        def member_weights(self, k):
-            return {"0:w": torch.full((2, 2), float(k))}
+    def cancelling(w):  # +d and -d in one tensor: the member's sum is unchanged
+        w[1]["0:a"][0, 0] += 0.5
+        w[1]["0:a"][1, 1] -= 0.5
 
-        def all_gather(self, t):
-            other = t.clone()
-            other[1, -1] += 1e-6  # rank 1's member 1 has other weights
-            return torch.stack([t, other])
+    def moved(w):  # two values of one tensor swap places
+        a = w[0]["0:b"]
+        a[0, 0], a[0, 1] = a[0, 1].clone(), a[0, 0].clone()
 
-    pop = SideBySidePopulation(2, 1, {}, "/tmp/unused")
-    pop.module = FakeModule()
-    pop.members = [Member(0, {"lr": 1e-3}), Member(1, {"lr": 2e-3})]
-    with pytest.raises(RuntimeError, match="ranks disagree after selection"):
-        pop.check_ranks_agree()
-    FakeModule.all_gather = lambda self, t: torch.stack([t, t.clone()])
-    pop.check_ranks_agree()
+    def swapped(w):  # member 1's tensors in each other's slot
+        w[1]["0:a"], w[1]["0:b"] = w[1]["0:b"], w[1]["0:a"]
+
+    for change in (cancelling, moved, swapped):
+        weights = rank1(change)
+        assert sum(float(t.sum()) for m in weights for t in m.values()) == sum(
+            float(t.sum()) for m in rank1(lambda w: None) for t in m.values()
+        )  # a plain sum cannot tell
+        with pytest.raises(RuntimeError, match="ranks disagree after selection"):
+            two_ranks(weights).check_ranks_agree()
+    two_ranks(rank1(lambda w: None)).check_ranks_agree()  # the same weights: no error
 
 
 @pytest.mark.slow
@@ -334,15 +422,36 @@ def test_each_member_refreshes_its_own_reference_on_its_own_updates(tmp_path):
 
 @pytest.mark.slow
 def test_ppo_members_each_have_their_own_critic_and_the_best_is_exported(tmp_path):
+    """Each member trains a critic adapter and a value head of its own (both differ between the
+    members), and population/best holds the best member's critic adapter and value head."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
     out = tmp_path / "run"
-    module = run(
+    result = run(
         compose_config([*POP, "algo=ppo", "population.evolve_every=0", "trainer.max_steps=6"], output_dir=out)
-    ).module
+    )
+    module, pop = result.module, population_of(result)
     states = [module.member_state(k)["weights"] for k in range(2)]
-    critic = [{n: w for n, w in s.items() if n.startswith(("1:", "value_head:"))} for s in states]
-    assert critic[0] and critic[0].keys() == critic[1].keys()
-    assert not all(torch.equal(critic[0][n], critic[1][n]) for n in critic[0])
-    assert (out / "population" / "best" / "critic" / "value_head.safetensors").is_file()
+    for prefix in ("1:", "value_head:"):  # the critic adapter, then the value head
+        part = [{n: w for n, w in s.items() if n.startswith(prefix)} for s in states]
+        assert part[0] and part[0].keys() == part[1].keys()
+        assert not all(torch.equal(part[0][n], part[1][n]) for n in part[0]), prefix
+    best = pop.best_slot()
+    exported = out / "population" / "best" / "critic"
+    head = load_file(str(exported / "value_head.safetensors"))
+    assert head and all(torch.equal(head[n], states[best][f"value_head:{n}"]) for n in head)
+    base = module.policy.model.get_base_model()
+    peft = PeftModel.from_pretrained(copy_of(base), str(exported), adapter_name="critic")
+    lora = {n.replace(".critic.", ".{}."): p for n, p in peft.named_parameters() if ".critic." in n}
+    mine = {n[2:]: w for n, w in states[best].items() if n.startswith("1:")}
+    assert lora.keys() == mine.keys() and all(torch.equal(lora[n], mine[n]) for n in mine)
+
+
+def copy_of(model):
+    import copy
+
+    return copy.deepcopy(model)
 
 
 @pytest.mark.slow
@@ -355,3 +464,88 @@ def test_side_by_side_with_other_rollout_algorithms(tmp_path, algo):
     assert len(list(csv.DictReader((out / "lineage.csv").open()))) == 6
     rows = [r for r in csv.DictReader((out / "metrics.csv").open()) if r.get("member_1/rollout/reward_mean")]
     assert len(rows) == 2
+
+
+@pytest.mark.slow
+def test_the_exported_best_member_is_scored_at_the_end_and_named_with_its_checkpoint(tmp_path):
+    """The last evolution (population step 2) is older than the fit's end (step 3), and without
+    elitism slot 0 is a mutated child: every member is scored again at the end, the exported
+    best is the fittest by those scores, and the checkpoint's adapters are that member's, named
+    in member.json."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    overrides = [*POP, "population.evolve_every=2", "population.elitism=false",
+                 "population.fitness=accuracy_greedy", "trainer.max_steps=6", "algo.lr=0.05"]  # fmt: skip
+    result = run(compose_config(overrides, output_dir=out))
+    pop, module = population_of(result), result.module
+    assert pop.steps == 3 and pop.scored_at == 3
+    fresh = pop.score(result.trainer)  # greedy: the same numbers again
+    assert [m.fitness for m in pop.members] == fresh
+    best = max(range(2), key=lambda i: (fresh[i], -i))
+    info = json.loads((out / "checkpoints" / "adapters" / "last" / "member.json").read_text())
+    assert (info["slot"], info["id"], info["fitness"]) == (best, pop.members[best].id, fresh[best])
+    mine = {n[2:]: w for n, w in module.member_state(best)["weights"].items() if n.startswith("0:")}
+    for where in ("population/best/actor", "checkpoints/adapters/last/actor"):
+        saved = load_file(str(out / where / "adapter_model.safetensors"))
+        assert len(saved) == len(mine)
+        for name, w in saved.items():  # PEFT's file names drop the adapter's name
+            key = next(
+                k
+                for k in mine
+                if k.replace(".{}", "") == name.replace("base_model.model.", "base_model.model.")
+            )
+            assert torch.equal(w, mine[key]), where
+
+
+def test_a_clone_has_no_fitness_until_it_is_scored():
+    parent = Member(3, {"lr": 1e-3}, fitness=0.75)
+    assert parent.clone(7).fitness is None and parent.clone(7).parent == 3
+
+
+def test_each_member_has_its_own_non_finite_streak_and_it_is_checkpointed():
+    """Member 1 is non-finite on every step, member 0 never: member 1's streak grows (a shared
+    streak was reset by member 0 every step, so the guard never tripped), and a checkpoint
+    keeps each member's."""
+    from rlhf_lightning.algorithms.common import ModuleMixin
+
+    class Two(ModuleMixin):
+        active = 0
+
+        def optimizer_index(self):
+            return self.active
+
+    module = Two(torch.nn.Linear(1, 1), None)
+    params = list(module.policy.parameters())
+    for _ in range(3):
+        for k, norm in ((0, 1.0), (1, float("nan"))):
+            module.active = k
+            module.health.skip_if_nonfinite([torch.tensor(norm)], params, counted=True)
+    assert [h.nonfinite_streak for h in module.healths] == [0, 3]
+    assert module.nonfinite_streak == 3 and module.skipped_steps == 3
+    checkpoint: dict = {"state_dict": {}}
+    module.checkpoint_keys = lambda: set()  # type: ignore[method-assign]
+    module.rng_generators = lambda: {}  # type: ignore[method-assign]
+    ModuleMixin.on_save_checkpoint(module, checkpoint)
+    again = Two(torch.nn.Linear(1, 1), None)
+    again.on_load_checkpoint(checkpoint)
+    assert [h.nonfinite_streak for h in again.healths] == [0, 3]
+    old = Two(torch.nn.Linear(1, 1), None)
+    old.on_load_checkpoint({"guard": {"nonfinite_streak": 2, "skipped_steps": 5}})  # a checkpoint from before
+    assert old.nonfinite_streak == 2 and old.skipped_steps == 5
+
+
+def test_whole_rollout_counts_are_summed_over_calls_and_other_call_metrics_averaged():
+    from rlhf_lightning.algorithms.population_step import call_metrics
+
+    calls = [
+        {"rollout/dropped_long_prompts": 2.0, "env/reward_errors": 1.0, "reward/model_mean": 0.5},
+        {"rollout/dropped_long_prompts": 1.0, "env/step_timeouts": 3.0, "reward/model_mean": 0.25},
+    ]
+    assert call_metrics(calls) == {
+        "env/reward_errors": 1.0,
+        "env/step_timeouts": 3.0,
+        "reward/model_mean": 0.375,
+        "rollout/dropped_long_prompts": 3.0,
+    }
+    assert call_metrics([]) == {}
