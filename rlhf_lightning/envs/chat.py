@@ -20,6 +20,9 @@ from rlhf_lightning.errors import ConfigError
 # What the start-up probe conversation puts in an assistant turn: reasoning that templates which
 # strip earlier reasoning (e.g. Qwen3's) drop once another turn follows.
 PROBE_REASONING = "<think>probe reasoning</think>"
+# The probe's reply, whose end locates what the template writes after an assistant turn: a
+# string no template writes itself (a plain letter could be part of the closing text).
+REPLY_SENTINEL = "\u27e6rlhf_lightning:end-of-reply\u27e7"
 
 
 class ChatFormatter:
@@ -83,7 +86,10 @@ class ChatFormatter:
                 observation if isinstance(observation, str) else "\n".join(m["content"] for m in observation)
             )
             return f"\n{text}\n"
-        probe: list[Message] = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
+        probe: list[Message] = [
+            {"role": "user", "content": "Q"},
+            {"role": "assistant", "content": REPLY_SENTINEL},
+        ]
         new = (
             [{"role": "user", "content": observation}] if isinstance(observation, str) else list(observation)
         )
@@ -94,7 +100,7 @@ class ChatFormatter:
                 "the chat template renders earlier turns differently once a turn is added; multi-turn "
                 "needs a prefix-stable template (see ChatFormatter.check_prefix_stable)"
             )
-        tail = base[base.rindex("A") + 1 :]  # what closes the assistant turn, e.g. "<|im_end|>\n"
+        tail = base[base.rindex(REPLY_SENTINEL) + len(REPLY_SENTINEL) :]  # closes it, e.g. "<|im_end|>\n"
         eos = str(self.tokenizer.eos_token or "")
         if eos and tail.startswith(eos):
             tail = tail[len(eos) :]  # the engine generated it already
@@ -110,7 +116,10 @@ class ChatFormatter:
 
         The probe conversation is a user turn, an assistant turn with reasoning, then each of
         ``followups`` (default: another user turn; a tool env adds tool results) followed by an
-        assistant turn, and a last user turn.
+        assistant turn, and a last user turn. Its text must be prefix-stable, and its token ids
+        as the harness assembles them (the prompt's ids, each reply's ids and the end-of-sequence
+        token, each observation's ids) must be the ids of the whole conversation rendered and
+        tokenized at once (:meth:`check_token_exact`).
         """
         if not self.apply_chat_template:
             return
@@ -137,6 +146,37 @@ class ChatFormatter:
                     "env.max_turns=1"
                 )
             previous = text
+        self.check_token_exact(rounds)
+
+    def check_token_exact(self, rounds: list[list[Message]]) -> None:
+        """Refuse (``ValueError`` with the first differing token) a template whose multi-turn
+        trajectories, assembled turn by turn as the harness does, are not the token ids of the
+        conversation rendered at once: e.g. a generation prompt unlike the template's own
+        assistant header, or text that tokenizes differently in pieces than whole."""
+        tok = self.tokenizer
+        eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+        replies = [f"{PROBE_REASONING}first answer", *(f"answer {k + 2}" for k in range(len(rounds)))]
+        observations = [*rounds, [{"role": "user", "content": "last question"}]]
+        conversation: list[Message] = [{"role": "user", "content": "first question"}]
+        ids = self.prompt_ids(conversation[0]["content"])
+        for reply, observation in zip(replies, observations, strict=True):
+            ids += tok(reply, add_special_tokens=False).input_ids + eos
+            ids += self.observation_ids(observation)
+            conversation += [{"role": "assistant", "content": reply}, *observation]
+        whole = tok(
+            self.render(self.messages(conversation), add_generation_prompt=True), add_special_tokens=False
+        )
+        rendered = list(whole.input_ids)
+        if ids == rendered:
+            return
+        i = next((k for k, (a, b) in enumerate(zip(ids, rendered)) if a != b), min(len(ids), len(rendered)))
+        raise ValueError(
+            "the chat template's multi-turn conversation is not token-exact: assembled turn by turn as "
+            f"the harness does it (prompt, reply + eos, observation, ...), it differs from the whole "
+            f"conversation rendered at once from token {i}: {tok.decode(ids[i : i + 12])!r} against "
+            f"{tok.decode(rendered[i : i + 12])!r}. Set model.chat_template to one whose generation prompt "
+            "and turns tokenize the same in pieces, or env.max_turns=1"
+        )
 
 
 def env_tools(factory: Any) -> list[dict[str, Any]] | None:

@@ -69,3 +69,31 @@ def test_chat_template_from_a_jinja_file(tmp_path):
     assert read_chat_template("{{ messages }}") == "{{ messages }}"
     with pytest.raises(ConfigError, match=r"model.chat_template=.*an existing .jinja file"):
         read_chat_template(str(tmp_path / "missing.jinja"))
+
+
+def closing_with(closing: str, generation_prompt: str = "<|im_start|>assistant\n") -> str:
+    """A ChatML-like template whose assistant turns end with ``closing``."""
+    return (
+        "{% for m in messages %}{% if m['role'] == 'assistant' %}"
+        "{{ '<|im_start|>assistant\n' + m['content'] + '" + closing + "' }}"
+        "{% else %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '" + generation_prompt + "' }}{% endif %}"
+    )
+
+
+def test_the_text_after_a_reply_is_found_whatever_the_closing_contains(tiny_tokenizer, monkeypatch):
+    """An assistant turn closed by text with an 'A' in it (the probe reply was 'A', found with
+    rindex): the observation's ids still continue the reply exactly as the whole render does."""
+    monkeypatch.setattr(tiny_tokenizer, "chat_template", closing_with("<|im_end|>\\nAck A\\n"))
+    formatter = ChatFormatter(tiny_tokenizer)
+    assert formatter.observation_text("next").startswith("\nAck A\n<|im_start|>user\nnext")
+    formatter.check_prefix_stable()  # text and tokens: the harness's trajectories are the render's
+
+
+def test_a_template_whose_turns_do_not_tokenize_as_assembled_is_refused(tiny_tokenizer, monkeypatch):
+    """Prefix-stable as text, but the generation prompt is not the template's assistant header:
+    the assembled trajectory's ids differ from the whole conversation's, so it is refused."""
+    template = closing_with("<|im_end|>\\n", generation_prompt="<|im_start|>assistant:\\n")
+    monkeypatch.setattr(tiny_tokenizer, "chat_template", template)
+    with pytest.raises(ValueError, match=r"not token-exact.*from token \d+"):
+        ChatFormatter(tiny_tokenizer).check_prefix_stable()
