@@ -3,12 +3,15 @@
     .venv/bin/python bench/async.py                                   # default task, seeds 0 1 2
     .venv/bin/python bench/async.py --tasks guess_number --seeds 0 --modes sync k1
     .venv/bin/python bench/async.py --plot docs/async_accuracy_vs_time.png
+    .venv/bin/python bench/async.py --tasks guess_number --seeds 0 --modes k1 k1_partial_planned k1_partial
 
 Each (task, mode, seed) is one ``train.py`` run in its own process, one after the other, so no
 two runs share the cores. Modes: ``sync`` (torch's two threads, as the default run), ``k1`` and
 ``k2`` (``rollout.mode=async`` with ``rollout.max_staleness`` 1 or 2: the trainer and the
 producer one thread each, so each has a core; the ratio uses the engine's behaviour log-probs,
-``algo.old_logprobs_source=rollout``, so a stale batch needs no extra pass).
+``algo.old_logprobs_source=rollout``, so a stale batch needs no extra pass); ``k1_partial`` and
+``k1_partial_planned``: ``k1`` with ``rollout.partial=true``, later turns of an episode in flight
+on the newest published weights, or (planned) on one version newer per turn, waiting for it.
 
 Time is training time: the sum of ``perf/step_s`` up to an evaluation (evaluations, the same in
 every mode, and start-up are left out; the producer's start-up is in its first step). Reported
@@ -46,6 +49,24 @@ MODES = {
     "k2": [
         "rollout.mode=async",
         "rollout.max_staleness=2",
+        "num_threads=1",
+        "rollout.producer_threads=1",
+        "algo.old_logprobs_source=rollout",
+    ],
+    # multi-turn: later turns of an episode in flight take newer weights (rollout.partial)
+    "k1_partial": [  # each turn the newest published version, never waiting (the default)
+        "rollout.mode=async",
+        "rollout.max_staleness=1",
+        "rollout.partial=true",
+        "num_threads=1",
+        "rollout.producer_threads=1",
+        "algo.old_logprobs_source=rollout",
+    ],
+    "k1_partial_planned": [  # turn j one version newer than turn j-1, waiting for it (the old plan)
+        "rollout.mode=async",
+        "rollout.max_staleness=1",
+        "rollout.partial=true",
+        "rollout.partial_versions=planned",
         "num_threads=1",
         "rollout.producer_threads=1",
         "algo.old_logprobs_source=rollout",

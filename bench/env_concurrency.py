@@ -4,17 +4,19 @@ concurrent stepping (``env.concurrency``), with the tiny model generating the re
     .venv/bin/python bench/env_concurrency.py                      # 16 episodes, 0.5 s per step
     .venv/bin/python bench/env_concurrency.py --episodes 64 --sleep 0.2 --concurrency 1 8 64
 
-Each row is the median of ``--repeats`` single-turn rollouts (after one warm-up); the
-trajectories of every setting are checked equal to the serial ones. Prints one markdown table.
+Each row is the median of ``--repeats`` single-turn rollouts (after one warm-up, which starts
+the worker processes); the trajectories of every setting are checked equal to the serial ones.
+``--workers``: where concurrent steps run, worker processes (``env.step_workers=process``, the
+default) and/or threads. Prints one markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
-
-import torch
+from pathlib import Path
 
 
 class SleepyEnv:
@@ -39,8 +41,14 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument("--workers", nargs="+", default=["process", "thread"], choices=["process", "thread"])
     a = ap.parse_args()
+    import torch
+
     torch.set_num_threads(a.threads)
+    # A worker process unpickles the env by its module's name: this file as a module, not __main__.
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from env_concurrency import SleepyEnv as Env  # type: ignore[import-not-found]
 
     from rlhf_lightning.envs.chat import ChatFormatter
     from rlhf_lightning.envs.harness import RolloutHarness
@@ -55,10 +63,16 @@ def main() -> None:
     params = SamplingParams(6, temperature=0.0)  # greedy: every setting sees the same replies
     rows = list(range(a.episodes))
     reference = None
-    print(f"| env.concurrency | turn wall time (s) | vs {a.episodes} x {a.sleep} s serial sleep |")
-    print("|---|---|---|")
-    for c in a.concurrency:
-        harness = RolloutHarness(lambda: SleepyEnv(a.sleep), tok, ChatFormatter(tok), concurrency=c)
+    print(
+        f"| env.concurrency | env.step_workers | turn wall time (s) | vs {a.episodes} x {a.sleep} s serial sleep |"
+    )
+    print("|---|---|---|---|")
+    settings = [(c, w) for c in a.concurrency for w in (a.workers if c > 1 else ["-"])]
+    for c, w in settings:
+        workers = w if w != "-" else "process"
+        harness = RolloutHarness(
+            lambda: Env(a.sleep), tok, ChatFormatter(tok), concurrency=c, step_workers=workers
+        )
         times = []
         for r in range(a.repeats + 1):
             started = time.perf_counter()
@@ -67,10 +81,10 @@ def main() -> None:
                 times.append(time.perf_counter() - started)
         ids = [t.token_ids for t in result.trajectories], [t.rewards for t in result.trajectories]
         reference = reference or ids
-        assert ids == reference, f"concurrency={c} changed the trajectories"
+        assert ids == reference, f"concurrency={c} ({w}) changed the trajectories"
         wall = statistics.median(times)
-        print(f"| {c} | {wall:.2f} | {wall / (a.episodes * a.sleep):.2f}x |")
-        harness.stepper.close()
+        print(f"| {c} | {w} | {wall:.2f} | {wall / (a.episodes * a.sleep):.2f}x |")
+        harness.close()
 
 
 if __name__ == "__main__":

@@ -86,7 +86,8 @@ class RolloutConfig:
     # How tool calls are read from a reply (env=tools): a name in rlhf_lightning.envs.tool_parsers
     tool_parser: str = "hermes"
     # sync: generate, then update, in every step. async: a producer process with its own copy of
-    # the model generates the next batches while the trainer updates (docs/guides/async.md).
+    # the model (and the run's engine) generates the next batches while the trainer updates;
+    # evaluation and dynamic-sampling refills then run on HF generate (docs/guides/async.md).
     mode: str = "sync"
     # async: batch t is generated with the weights after update t - max_staleness (0: lockstep,
     # the synchronous run's batches through the producer)

@@ -150,6 +150,7 @@ class AsyncRollouts:
         self.commands: Writer | None = None
         self.results: Reader | None = None
         self._spool: Path | None = None
+        self._temporary: Path | None = None  # the spool's own temporary directory, if it made one
 
     # ---------------------------------------------------------------- process
     @property
@@ -157,9 +158,10 @@ class AsyncRollouts:
         """This rank's spool directory (``<run>/.async/rank<r>``), emptied when first used: files
         from an earlier, killed run are never read."""
         if self._spool is None:
-            base = (
-                Path(self.s.spool_dir) if self.s.spool_dir else Path(tempfile.mkdtemp(prefix="rlhf-async-"))
-            )
+            if self.s.spool_dir:
+                base = Path(self.s.spool_dir)
+            else:  # no run directory (tests, the Python API without one): a private temporary one
+                self._temporary = base = Path(tempfile.mkdtemp(prefix="rlhf-async-"))
             spool = base / ".async" / f"rank{self.rank}"
             shutil.rmtree(spool, ignore_errors=True)
             spool.mkdir(parents=True, mode=0o700)
@@ -276,8 +278,8 @@ class AsyncRollouts:
         self.commands = self.results = None
         self.restored.update({v: load_file(p) for v, p in self.store.items() if p.exists()})
         if self._spool is not None:
-            shutil.rmtree(self._spool, ignore_errors=True)
-            self._spool = None
+            shutil.rmtree(self._temporary or self._spool, ignore_errors=True)
+            self._spool = self._temporary = None
         self.store.clear()
         self.sent.clear()  # a producer started again (a second fit) gets every version anew
         self.requested.clear()

@@ -18,7 +18,7 @@ import torch
 from rlhf_lightning.algorithms.async_rollout import batch_seed
 from rlhf_lightning.run import checkpoint_step
 from tests.conftest import FAST, compose_config, fit_steps
-from tests.runtime.test_workers import children_of
+from tests.runtime.test_workers import alive, children_of
 from tests.test_resume import killed_and_resumed, rows, sigtermed_and_resumed, start, train, wait_for
 
 pytestmark = pytest.mark.slow
@@ -254,7 +254,7 @@ def test_a_producer_killed_mid_run_ends_the_run_with_its_error_and_the_checkpoin
     run = tmp_path / "B"
     proc = start(tmp_path, *overrides, f"output_dir={run}")
     wait_for(run / "checkpoints" / "step_000003.ckpt", proc)
-    (producer,) = [c for c in children_of(proc.pid) if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
+    (producer,) = [c for c in children_of(proc.pid) if "spawn_main" in cmdline(c)]
     os.kill(producer, signal.SIGKILL)
     killed_at = time.monotonic()
     out, _ = proc.communicate(timeout=300)
@@ -295,3 +295,34 @@ def test_two_processes_run_async(tmp_path):
         assert b0["seed"] == batch_seed(0, 0, b0["step"]) and b1["seed"] == batch_seed(0, 1, b1["step"])
     assert len(ranks[0]["batches"]) == 5
     assert ranks[0]["versions"] == ranks[1]["versions"] and len(ranks[0]["versions"]) == 6  # versions 0..5
+
+
+def test_a_producer_killed_on_one_rank_ends_every_rank_at_once(tmp_path):
+    """2-process DDP: rank 1's producer killed mid-run ends rank 1 with the named error, and rank
+    0 with it (its collective sees the peer gone) within seconds, not at a timeout; nothing of
+    the run is left."""
+    ddp = ["strategy=ddp", "trainer.accelerator=cpu", "trainer.devices=2"]
+    run = tmp_path / "D"
+    proc = start(
+        tmp_path,
+        *ddp,
+        *ASYNC,
+        "checkpoint.every_n_steps=1",
+        "rollout.async_timeout_s=120",
+        f"output_dir={run}",
+    )
+    wait_for(run / "checkpoints" / "step_000003.ckpt", proc)
+    rank1 = [c for c in children_of(proc.pid) if "train.py" in cmdline(c)]
+    producers = [c for r in (proc.pid, *rank1) for c in children_of(r) if "spawn_main" in cmdline(c)]
+    assert len(rank1) == 1 and len(producers) == 2
+    victim = next(c for c in children_of(rank1[0]) if "spawn_main" in cmdline(c))
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.monotonic()
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0 and time.monotonic() - killed_at < 60
+    assert f"the rollout producer (pid {victim}) was killed by SIGKILL" in out
+    assert not [p for p in (*rank1, *producers) if alive(p)]
+
+
+def cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
