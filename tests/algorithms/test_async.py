@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ import torch
 from rlhf_lightning.algorithms.async_rollout import batch_seed
 from rlhf_lightning.run import checkpoint_step
 from tests.conftest import FAST, compose_config, fit_steps
-from tests.runtime.test_workers import alive, children_of
+from tests.runtime.test_workers import alive, children_of, cmdline
 from tests.test_resume import killed_and_resumed, rows, sigtermed_and_resumed, start, train, wait_for
 
 pytestmark = pytest.mark.slow
@@ -322,7 +321,3 @@ def test_a_producer_killed_on_one_rank_ends_every_rank_at_once(tmp_path):
     assert proc.returncode != 0 and time.monotonic() - killed_at < 60
     assert f"the rollout producer (pid {victim}) was killed by SIGKILL" in out
     assert not [p for p in (*rank1, *producers) if alive(p)]
-
-
-def cmdline(pid: int) -> str:
-    return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")

@@ -7,8 +7,6 @@ import os
 import random
 import time
 
-from rlhf_lightning.envs.gem import GemEnv
-
 
 def boom(x: int) -> str:
     """Always fails.
@@ -93,15 +91,3 @@ class Dies(Hangs):
             os._exit(9)
         return "", 1.0, True, False, {}
 
-
-class SlowGem(GemEnv):
-    """A GEM game whose row-1 episodes sleep 3 s in every step."""
-
-    def reset(self, seed=None, *, row_index=None, evaluation=False):
-        self.row = int(row_index or 0)
-        return super().reset(seed, row_index=row_index, evaluation=evaluation)
-
-    def step(self, action):
-        if self.row == 1:
-            time.sleep(3.0)
-        return super().step(action)

@@ -159,10 +159,10 @@ def test_gem_steps_in_worker_processes_run_in_parallel_and_time_out_alone(tiny_t
     """env.concurrency=4 with a step limit: each GEM step runs in its own worker process, so one
     step past the limit (row 1 sleeps 3 s) is stopped alone while the other episodes play on, and
     the trainer's global RNGs are never touched (each env's RNG state travels with it)."""
-    from tests.envs.slow_things import SlowGem
+    from tests.envs.slow_gem import SlowGem
 
     tok = tiny_tokenizer
-    factory = env_factory("tests.envs.slow_things.SlowGem", {"id": G2048})
+    factory = env_factory("tests.envs.slow_gem.SlowGem", {"id": G2048})
     harness = RolloutHarness(
         factory,
         tok,

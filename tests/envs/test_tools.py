@@ -160,7 +160,7 @@ def test_a_tool_that_loops_for_ever_is_stopped_every_time_and_leaves_nothing_beh
     own Python work does not slow down, no worker process or thread is left once the harness and
     the pools close, and the trajectories equal a run whose tool call times out at once."""
     from rlhf_lightning.envs import tools as tools_module
-    from rlhf_lightning.runtime.workers import CallTimeout, Outcome, close_shared_pools
+    from rlhf_lightning.runtime.workers import CallTimeout, Outcome, close_shared_pools, shared_pool
     from tests.runtime.test_workers import children_of_this_process, python_rate
 
     first = "".join(call("spin", n=i) for i in range(4))
@@ -179,6 +179,7 @@ def test_a_tool_that_loops_for_ever_is_stopped_every_time_and_leaves_nothing_beh
     threads = set(threading.enumerate())
     before = max(python_rate() for _ in range(3))
     stopped = rollout()
+    shared_pool("tools", 2).call(sleepy, (0.0,))  # the last replacement worker has booted
     after = max(python_rate() for _ in range(3))
     assert sum(info.get("tool_timeouts", 0) for t in stopped.trajectories for info in t.infos) == 20
     assert after / before > 0.7, (before, after)  # 20 abandoned threads made it ~7x slower
