@@ -37,8 +37,11 @@ CASES: dict[str, list[str]] = {
     "dapo": ["algo=dapo"],
     "ppo_guess_number": ["algo=ppo", "experiment=guess_number"],
     "cispo_2_epochs": ["algo=cispo", "algo.update_epochs=2"],
-    "population_2": ["population.size=2", "population.evolve_every=20"],
+    # round-robin members (its meaning before members side by side became the default)
+    "population_2": ["population.size=2", "population.evolve_every=20", "population.batched=false"],
     "ddp_2": ["strategy=ddp", "trainer.accelerator=cpu", "trainer.devices=2"],
+    "population_side_by_side": ["population.size=2", "population.evolve_every=10", "population.batched=true"],
+    "async_k1": ["rollout.mode=async", "rollout.max_staleness=1"],
 }
 IGNORED_PREFIXES = ("perf/",)
 
