@@ -48,6 +48,44 @@ def env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
 
+def run_here(*overrides: str, rc: int = 0) -> None:
+    """``train.py``'s run in this process (``run(cfg)``), for runs whose command line is not
+    what a test is about: the same code, without a new interpreter's imports."""
+    from rlhf_lightning.run import run
+    from tests.conftest import compose_config
+
+    result = run(compose_config([*ARGS, *overrides]))
+    assert result.exit_code == rc
+
+
+def multi_process(overrides: list[str]) -> bool:
+    return any(o.startswith("trainer.devices=") and o != "trainer.devices=1" for o in overrides)
+
+
+def run_somewhere(cwd: Path, *overrides: str) -> None:
+    """:func:`run_here`, or with several processes the command line (Lightning's launcher
+    starts the ranks from ``sys.argv``)."""
+    if multi_process(list(overrides)):
+        train(cwd, *overrides)
+    else:
+        run_here(*overrides)
+
+
+# Uninterrupted runs by their overrides (checkpointing and log flushing left out: they change
+# no metric), shared by the tests that compare an interrupted run with one.
+_REFERENCES: dict[tuple[str, ...], Path] = {}
+
+
+def reference(cwd: Path, overrides: list[str]) -> Path:
+    """The directory of the uninterrupted run of ``overrides``, run once per session."""
+    key = tuple(o for o in overrides if not o.startswith(("checkpoint.", "logger.flush_every_n_steps")))
+    if key not in _REFERENCES:
+        out = cwd / "A"
+        run_somewhere(cwd, *key, "checkpoint.every_n_steps=0", f"output_dir={out}")
+        _REFERENCES[key] = out
+    return _REFERENCES[key]
+
+
 def train(cwd: Path, *overrides: str, rc: int = 0) -> str:
     proc = subprocess.run(
         command(*overrides), cwd=cwd, capture_output=True, text=True, timeout=600, env=env()
@@ -108,12 +146,15 @@ def kill_the_trainer_alone(proc: subprocess.Popen) -> None:
         time.sleep(0.05)
 
 
-def killed_and_resumed(tmp_path: Path, overrides: list[str], trainer_only: bool = False) -> tuple[Path, int]:
-    """Run A uninterrupted; run B killed (SIGKILL: every process of it, or ``trainer_only`` the
-    trainer alone, whose children must then exit by themselves) once its step-4 checkpoint
-    exists, then resumed with ``resume=true``. Returns B's directory and the step its last
-    checkpoint held (4, or 2 if killed before last.ckpt followed)."""
-    train(tmp_path, *overrides, f"output_dir={tmp_path / 'A'}")
+def killed_and_resumed(
+    tmp_path: Path, overrides: list[str], trainer_only: bool = False
+) -> tuple[Path, Path, int]:
+    """Run A uninterrupted (:func:`reference`); run B killed (SIGKILL: every process of it, or
+    ``trainer_only`` the trainer alone, whose children must then exit by themselves) once its
+    step-4 checkpoint exists, then resumed with ``resume=true``. Returns A's and B's
+    directories and the step B's last checkpoint held (4, or 2 if killed before last.ckpt
+    followed)."""
+    reference_dir = reference(tmp_path, overrides)
     killed = tmp_path / "B"
     proc = start(tmp_path, *overrides, f"output_dir={killed}")
     wait_for(killed / "checkpoints" / "step_000004.ckpt", proc)
@@ -124,23 +165,24 @@ def killed_and_resumed(tmp_path: Path, overrides: list[str], trainer_only: bool 
         proc.wait()
     step = checkpoint_step(killed / "checkpoints" / "last.ckpt")
     assert step >= 2
-    train(tmp_path, *overrides, f"output_dir={killed}", "resume=true")
-    return killed, step
+    run_somewhere(tmp_path, *overrides, f"output_dir={killed}", "resume=true")
+    return reference_dir, killed, step
 
 
 @pytest.mark.parametrize("algo", [*ALGOS, "grpo_2_processes"])
 def test_sigkill_then_resume_continues_exactly(tmp_path, algo):
     # 2 processes: every rank's RNG states and data position are in the checkpoint
     ddp = ["strategy=ddp", "trainer.accelerator=cpu", "trainer.devices=2"]
-    killed, step = killed_and_resumed(tmp_path, ALGOS.get(algo, ddp))
-    assert_continues_exactly(tmp_path / "A", killed, after=step)
+    uninterrupted, killed, step = killed_and_resumed(tmp_path, ALGOS.get(algo, ddp))
+    assert_continues_exactly(uninterrupted, killed, after=step)
 
 
-def sigtermed_and_resumed(tmp_path: Path, overrides: list[str]) -> tuple[Path, int]:
-    """Run A uninterrupted; run B sent SIGTERM after its third step, which must save that step
-    and exit 128 + 15, then resumed. Returns B's directory and the step it saved."""
+def sigtermed_and_resumed(tmp_path: Path, overrides: list[str]) -> tuple[Path, Path, int]:
+    """Run A uninterrupted (:func:`reference`); run B sent SIGTERM after its third step, which
+    must save that step and exit 128 + 15, then resumed. Returns A's and B's directories and
+    the step B saved."""
     overrides = ["checkpoint.every_n_steps=0", *overrides]
-    train(tmp_path, *overrides, f"output_dir={tmp_path / 'A'}")
+    reference_dir = reference(tmp_path, overrides)
     run = tmp_path / "B"
     proc = start(tmp_path, *overrides, "logger.flush_every_n_steps=1", f"output_dir={run}")
     metrics = run / "metrics.csv"
@@ -154,13 +196,13 @@ def sigtermed_and_resumed(tmp_path: Path, overrides: list[str]) -> tuple[Path, i
     assert "stopped by SIGTERM after step" in err
     step = checkpoint_step(run / "checkpoints" / "last.ckpt")
     assert 3 <= step < 8  # the step the signal arrived in, not the end
-    train(tmp_path, *overrides, f"output_dir={run}", "resume=true")
-    return run, step
+    run_somewhere(tmp_path, *overrides, f"output_dir={run}", "resume=true")
+    return reference_dir, run, step
 
 
 def test_sigterm_saves_the_step_exits_nonzero_and_resumes_exactly(tmp_path):
-    run, step = sigtermed_and_resumed(tmp_path, [])
-    assert_continues_exactly(tmp_path / "A", run, after=step)
+    uninterrupted, run, step = sigtermed_and_resumed(tmp_path, [])
+    assert_continues_exactly(uninterrupted, run, after=step)
 
 
 def test_two_runs_started_together_get_two_directories(tmp_path):
@@ -203,8 +245,7 @@ def test_resume_true_never_picks_a_sibling_run_with_another_config(tmp_path):
 
 def test_checkpoints_and_adapters_are_bounded(tmp_path):
     run = tmp_path / "run"
-    train(
-        tmp_path,
+    run_here(
         "trainer.max_steps=5",
         "checkpoint.every_n_steps=1",
         "checkpoint.keep_last=2",
@@ -228,6 +269,6 @@ def test_a_collapsing_run_is_stopped_by_the_guard_within_20_steps(tmp_path):
         f"output_dir={run}",
         rc=1,
     )
-    assert "run stopped by the guard" in out and "collapse:" in out
+    assert "run stopped by the guard" in out and "collapse:" in out  # the CLI's exit code and words
     step = checkpoint_step(run / "checkpoints" / "last.ckpt")
     assert step <= 20

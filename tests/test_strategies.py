@@ -78,32 +78,77 @@ def test_ddp_cli_run_with_micro_batches_completes(tmp_path):
     assert "Initializing distributed: GLOBAL_RANK: 1" in log
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "algo",
-    [
-        ["algo=dapo"],
-        ["algo=ppo", "algo.critic_warmup_steps=2"],
-        ["algo=ppo", "algo.critic_warmup_steps=0", "algo.fuse_actor_critic_pass=false"],
+# Runs with two processes that test what a run does (not the command line): all of them in one
+# torchrun launch (tests/torchrun_jobs.py), each through rlhf_lightning.run.run as train.py would.
+ALGOS = {
+    "dapo": ["algo=dapo"],
+    "ppo_warmup": ["algo=ppo", "algo.critic_warmup_steps=2"],
+    "ppo_separate_critic_pass": [
+        "algo=ppo",
+        "algo.critic_warmup_steps=0",
+        "algo.fuse_actor_critic_pass=false",
     ],
-    ids=["dapo", "ppo_warmup", "ppo_separate_critic_pass"],
-)
+}
+FSDP_CKPT = ["checkpoint.every_n_steps=2", "algo.micro_batch_size=2"]
+POPULATION = ["population.size=2", "population.evolve_every=1", "population.eval_rows=8",
+              "population.mutate_initial=true", "population.no_mutation_prob=0", "trainer.max_steps=4"]  # fmt: skip
+RUNS = {  # name -> overrides (output_dir: <runs>/<name>); run in this order
+    **{
+        f"{a}_{s}": [*(DDP if s == "ddp" else FSDP), *o, "algo.prompts_per_step=8", "trainer.max_steps=5"]
+        for a, o in ALGOS.items()
+        for s in ("ddp", "fsdp")
+    },
+    "side_by_side": [*DDP, *POPULATION, "population.batched=true", "population.evolve_every=1"],
+    "round_robin": [*DDP, *POPULATION, "population.batched=false", "population.evolve_every=2"],
+    "fsdp_ckpt": [*FSDP, *FSDP_CKPT, "trainer.max_steps=2"],
+    "fsdp_resumed": [
+        *FSDP,
+        *FSDP_CKPT,
+        "trainer.max_steps=3",
+        "ckpt_path={runs}/fsdp_ckpt/checkpoints/last.ckpt",
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """Every run of :data:`RUNS` and the rows each rank trains on (ddp_worker), in one launch."""
+    from tests.torchrun_jobs import launch
+
+    out = tmp_path_factory.mktemp("ddp_runs")
+    jobs = [
+        {"kind": "run", "spec": {"overrides": [*o, *SMALL], "output_dir": str(out / name)}}
+        for name, o in RUNS.items()
+    ]
+    for job in jobs:
+        job["spec"]["overrides"] = [o.format(runs=out) for o in job["spec"]["overrides"]]
+    rows = {
+        "overrides": [*FAST, "algo.prompts_per_step=8", "algo.group_size=2"],
+        "devices": 2,
+        "out": str(out / "rows" / "out.pt"),
+        "record_rows": str(out / "rows" / "rows"),
+        "steps": 2,
+    }
+    (out / "rows").mkdir()
+    launch([*jobs, {"kind": "ddp_worker", "spec": rows}], 2, out)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("ddp_runs")
+@pytest.mark.parametrize("algo", sorted(ALGOS))
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_dynamic_sampling_and_critic_warmup_under_ddp(tmp_path, algo, strategy):
-    out = tmp_path / "run"
-    procs = DDP if strategy == "ddp" else FSDP
-    train(tmp_path, *procs, *algo, "algo.prompts_per_step=8", "trainer.max_steps=5", f"output_dir={out}")
-    steps = [r["step"] for r in metric_rows(out) if r.get("rollout/reward_mean")]
+def test_dynamic_sampling_and_critic_warmup_under_ddp(runs, algo, strategy):
+    steps = [r["step"] for r in metric_rows(runs / f"{algo}_{strategy}") if r.get("rollout/reward_mean")]
     assert steps == ["1", "2", "3", "4", "5"]
 
 
 @pytest.mark.slow
-def test_fsdp_checkpoint_holds_full_trainable_weights_and_resumes(tmp_path):
+@pytest.mark.xdist_group("ddp_runs")
+def test_fsdp_checkpoint_holds_full_trainable_weights_and_resumes(runs):
     import torch
 
-    out = tmp_path / "run"
-    ckpt = ["checkpoint.every_n_steps=2", "algo.micro_batch_size=2"]
-    train(tmp_path, *FSDP, *ckpt, "trainer.max_steps=2", f"output_dir={out}")
+    out = runs / "fsdp_ckpt"
     state = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
     weights = state["state_dict"]
     r = compose_config(FSDP).model.lora.r
@@ -115,16 +160,7 @@ def test_fsdp_checkpoint_holds_full_trainable_weights_and_resumes(tmp_path):
 
     exported = load_file(str(adapter))
     assert len(exported) == len([k for k in weights if ".actor." in k])
-    resumed = tmp_path / "resumed"
-    train(
-        tmp_path,
-        *FSDP,
-        *ckpt,
-        "trainer.max_steps=3",
-        f"ckpt_path={out / 'checkpoints' / 'last.ckpt'}",
-        f"output_dir={resumed}",
-    )
-    steps = [r["step"] for r in metric_rows(resumed) if r.get("rollout/reward_mean")]
+    steps = [r["step"] for r in metric_rows(runs / "fsdp_resumed") if r.get("rollout/reward_mean")]
     assert steps == ["3"]
 
 
@@ -148,28 +184,10 @@ def test_multirun_with_two_processes_runs_each_job_once(tmp_path):
 
 
 @pytest.mark.slow
-def test_ranks_train_on_different_prompts_of_the_global_batch(tmp_path):
-    spec = {
-        "overrides": [*FAST, "algo.prompts_per_step=8", "algo.group_size=2"],
-        "devices": 2,
-        "out": str(tmp_path / "out.pt"),
-        "record_rows": str(tmp_path / "rows"),
-        "steps": 2,
-    }
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    worker = ROOT / "tests" / "algorithms" / "ddp_worker.py"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(worker), str(tmp_path / "spec.json")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rank0 = json.loads((tmp_path / "rows.rank0.json").read_text())
-    rank1 = json.loads((tmp_path / "rows.rank1.json").read_text())
+@pytest.mark.xdist_group("ddp_runs")
+def test_ranks_train_on_different_prompts_of_the_global_batch(runs):
+    rank0 = json.loads((runs / "rows" / "rows.rank0.json").read_text())
+    rank1 = json.loads((runs / "rows" / "rows.rank1.json").read_text())
     assert len(rank0) == len(rank1) == 2
     for a, b in zip(rank0, rank1):
         assert len(a) == len(b) == 4  # the global 8 prompts, split
@@ -217,15 +235,11 @@ def test_torchrun_launches_the_ranks(tmp_path):
 
 
 @pytest.mark.slow
-def test_population_side_by_side_under_ddp_ranks_agree_on_members(tmp_path):
+@pytest.mark.xdist_group("ddp_runs")
+def test_population_side_by_side_under_ddp_ranks_agree_on_members(runs):
     """Two ranks, members side by side: each rank runs every member's update in the same order;
     after every evolution the ranks compare ids, hyper-parameters and member weights."""
-    out = tmp_path / "run"
-    train(
-        tmp_path, *DDP, "population.size=2", "population.batched=true", "population.evolve_every=1",
-        "population.eval_rows=8", "population.mutate_initial=true", "population.no_mutation_prob=0",
-        "trainer.max_steps=4", f"output_dir={out}",
-    )  # fmt: skip
+    out = runs / "side_by_side"
     lineage = list(csv.DictReader((out / "lineage.csv").open()))
     assert [r["event"] for r in lineage] == ["init", "init", "elite", "clone", "elite", "clone"]
     keys = set().union(*(r for r in metric_rows(out) if any(r.values())))
@@ -234,13 +248,9 @@ def test_population_side_by_side_under_ddp_ranks_agree_on_members(tmp_path):
 
 
 @pytest.mark.slow
-def test_population_under_ddp_ranks_agree_on_selection(tmp_path):
-    out = tmp_path / "run"
-    train(
-        tmp_path, *DDP, "population.size=2", "population.batched=false", "population.evolve_every=2", "population.eval_rows=8",
-        "population.mutate_initial=true", "population.no_mutation_prob=0", "trainer.max_steps=4",
-        f"output_dir={out}",
-    )  # fmt: skip
+@pytest.mark.xdist_group("ddp_runs")
+def test_population_under_ddp_ranks_agree_on_selection(runs):
+    out = runs / "round_robin"
     lineage = list(csv.DictReader((out / "lineage.csv").open()))
     assert [r["event"] for r in lineage] == ["init", "init", "elite", "clone", "elite", "clone"]
     keys = set().union(*(r for r in metric_rows(out) if any(r.values())))

@@ -1,7 +1,6 @@
-"""One training step on fixed data with 1 or N processes (run as a script: Lightning's DDP
-launcher starts the other ranks by running it again). Used by test_distributed.py.
-
-    python tests/algorithms/ddp_worker.py SPEC.json
+"""One training step on fixed data with 1 or N processes, as a job of ``tests/torchrun_jobs.py``
+(torchrun starts the ranks; one launch runs many specs). Used by test_distributed.py and
+test_strategies.py.
 
 SPEC: {"overrides": [...], "devices": N, "out": path, "trajectories": path or [path per step, cycled]
 (online) | null, "steps": 1, "strategy": "ddp" | "fsdp"}. Online: rank r trains on its contiguous share of the saved trajectories' groups.
@@ -21,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 
-def main(spec_path: str) -> None:
+def run_spec(spec: dict) -> None:
     import lightning as L
     import torch
     from lightning.pytorch.strategies import DDPStrategy
@@ -34,7 +33,6 @@ def main(spec_path: str) -> None:
     from rlhf_lightning.strategies import fsdp2_strategy
     from tests.conftest import compose_config
 
-    spec = json.loads(Path(spec_path).read_text())
     world = spec["devices"]
     cfg = compose_config(spec["overrides"], output_dir=Path(spec["out"]).parent / "run")
     L.seed_everything(cfg.seed)
@@ -130,7 +128,3 @@ def main(spec_path: str) -> None:
             "sharded": module.sharded,
         }
         torch.save(out, spec["out"])
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])

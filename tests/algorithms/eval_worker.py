@@ -1,11 +1,9 @@
 """One evaluation before training, then one training step, through ``rlhf_lightning.run`` with
-1 or N processes, recording what each rank evaluates. Used by test_eval_ranks.py.
-
-    python tests/algorithms/eval_worker.py SPEC.json
+1 or N processes, recording what each rank evaluates: a job of ``tests/torchrun_jobs.py``
+(torchrun starts the ranks). Used by test_eval_ranks.py.
 
 SPEC: {"overrides": [...], "out": directory}. The overrides choose the processes
-(``strategy=ddp trainer.accelerator=cpu trainer.devices=3``); Lightning's DDP launcher starts the
-other ranks by running this script again (with an ``output_dir=`` argument appended, ignored).
+(``strategy=ddp trainer.accelerator=cpu trainer.devices=3``, as many as torchrun started).
 
 Every rank writes ``out/eval.rank<r>.json``: per validation ``{"metrics": {eval/* as this rank
 has them}, "batches": [...]}``, per batch ``{"batch": [row or -1 (padding)], "calls": [{"rows",
@@ -23,14 +21,13 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 
-def main(spec_path: str) -> None:
+def run_spec(spec: dict) -> None:
     import lightning as L
 
     from rlhf_lightning.algorithms.evaluation import episode_success
     from rlhf_lightning.run import run
     from tests.conftest import compose_config
 
-    spec = json.loads(Path(spec_path).read_text())
     out = Path(spec["out"])
     cfg = compose_config(spec["overrides"], output_dir=out / "run")
     validations: list[dict[str, Any]] = []
@@ -65,7 +62,3 @@ def main(spec_path: str) -> None:
             path.write_text(json.dumps(validations))
 
     run(cfg, extra_callbacks=[RecordEvaluation()])
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])

@@ -18,7 +18,16 @@ from rlhf_lightning.algorithms.async_rollout import batch_seed
 from rlhf_lightning.run import checkpoint_step
 from tests.conftest import FAST, compose_config, fit_steps
 from tests.runtime.test_workers import alive, children_of, cmdline
-from tests.test_resume import killed_and_resumed, rows, sigtermed_and_resumed, start, train, wait_for
+from tests.test_resume import (
+    killed_and_resumed,
+    reference,
+    rows,
+    run_here,
+    sigtermed_and_resumed,
+    start,
+    train,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -81,8 +90,8 @@ def test_lockstep_async_equals_sync_for_20_steps(tmp_path):
     """max_staleness=0 runs every batch through the producer, in lockstep: the metrics equal the
     synchronous run's, row by row, every column but timings and the async/* ones."""
     steps = ["trainer.max_steps=20", "checkpoint.every_n_steps=0"]
-    train(tmp_path, *steps, f"output_dir={tmp_path / 'sync'}")
-    train(tmp_path, *steps, *ASYNC, "rollout.max_staleness=0", f"output_dir={tmp_path / 'async'}")
+    run_here(*steps, f"output_dir={tmp_path / 'sync'}")
+    run_here(*steps, *ASYNC, "rollout.max_staleness=0", f"output_dir={tmp_path / 'async'}")
     sync, lock = rows(tmp_path / "sync"), rows(tmp_path / "async")
     assert len(sync) > 20 and sync.keys() == lock.keys()
     for key in sync:
@@ -234,13 +243,13 @@ def test_sigkill_of_the_trainer_alone_ends_its_producer_and_resume_continues_exa
     """Only the trainer's pid is killed (as the OOM killer does) while a batch of over 64 KiB
     (8 x 8 episodes) is in flight: its producer exits within seconds by itself (it used to block
     at exit on its queue's feeder thread), and the resume continues exactly."""
-    killed, step = killed_and_resumed(tmp_path, BIG[:-1], trainer_only=True)
-    assert_continues_exactly(tmp_path / "A", killed, after=step)
+    uninterrupted, killed, step = killed_and_resumed(tmp_path, BIG[:-1], trainer_only=True)
+    assert_continues_exactly(uninterrupted, killed, after=step)
 
 
 def test_sigterm_saves_an_async_run_and_it_resumes_exactly(tmp_path):
-    run, step = sigtermed_and_resumed(tmp_path, [*ASYNC, "rollout.max_staleness=1"])
-    assert_continues_exactly(tmp_path / "A", run, after=step)
+    uninterrupted, run, step = sigtermed_and_resumed(tmp_path, [*ASYNC, "rollout.max_staleness=1"])
+    assert_continues_exactly(uninterrupted, run, after=step)
 
 
 def test_a_producer_killed_mid_run_ends_the_run_with_its_error_and_the_checkpoint_resumes(tmp_path):
@@ -249,7 +258,7 @@ def test_a_producer_killed_mid_run_ends_the_run_with_its_error_and_the_checkpoin
     the trainer exits non-zero at once with the named error, far inside rollout.async_timeout_s,
     and resume=true from its last checkpoint continues exactly like an uninterrupted run."""
     overrides = [*BIG, "checkpoint.every_n_steps=1", "rollout.async_timeout_s=120"]
-    train(tmp_path, *overrides, f"output_dir={tmp_path / 'A'}")
+    uninterrupted = reference(tmp_path, overrides)
     run = tmp_path / "B"
     proc = start(tmp_path, *overrides, f"output_dir={run}")
     wait_for(run / "checkpoints" / "step_000003.ckpt", proc)
@@ -263,9 +272,9 @@ def test_a_producer_killed_mid_run_ends_the_run_with_its_error_and_the_checkpoin
     step = checkpoint_step(run / "checkpoints" / "last.ckpt")
     assert 3 <= step < 8
     assert not list((run / ".async").rglob("*.pkl"))  # the spool was emptied at the end
-    train(tmp_path, *overrides, f"output_dir={run}", "resume=true")
-    assert_continues_exactly(tmp_path / "A", run, after=step)
-    batches = json.loads((tmp_path / "A" / "probe-rank0.json").read_text())["batches"]
+    run_here(*overrides, f"output_dir={run}", "resume=true")
+    assert_continues_exactly(uninterrupted, run, after=step)
+    batches = json.loads((uninterrupted / "probe-rank0.json").read_text())["batches"]
     assert min(b["bytes"] for b in batches) > 64 * 1024  # every batch is larger than a pipe buffer
 
 

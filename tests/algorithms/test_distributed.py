@@ -2,58 +2,48 @@
 DDP and under FSDP2 (``strategy=fsdp``: sharded layers, lockstep micro-batches).
 
 Each case runs ``ddp_worker.py`` once with 1 process and once with 2, on the same data, and
-compares every trainable parameter after the update. A hang fails by timeout, not by hanging CI.
+compares every trainable parameter after the update. Every case of the module runs in two
+launches (``tests/torchrun_jobs.py``: the one-process runs, then the two-process runs), so the
+ranks' start-up is paid once. A hang fails by timeout, not by hanging CI.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+from dataclasses import dataclass
 
 import pytest
 import torch
 
-from tests.conftest import FAST, ROOT, compose_config
+from tests.conftest import FAST, compose_config
+from tests.torchrun_jobs import launch
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("distributed")]
 
-WORKER = ROOT / "tests" / "algorithms" / "ddp_worker.py"
 BASE = [o for o in FAST if not o.startswith("algo.")]
+GRPO_8x4 = [*BASE, "algo.prompts_per_step=8", "algo.group_size=4"]
 
 
-def run_worker(
-    tmp_path: Path,
-    name: str,
-    overrides: list[str],
-    devices: int,
-    trajectories=None,
-    strategy: str = "ddp",
-    steps: int = 1,
-) -> dict:
-    out = tmp_path / f"{name}_{devices}_{strategy}.pt"
-    spec = {
-        "overrides": overrides,
-        "devices": devices,
-        "out": str(out),
-        "trajectories": trajectories,
-        "strategy": strategy,
-        "steps": steps,
-    }
-    spec_path = tmp_path / f"{name}_{devices}_{strategy}.json"
-    spec_path.write_text(json.dumps(spec))
-    proc = subprocess.run(
-        [sys.executable, str(WORKER), str(spec_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return torch.load(out, weights_only=False)
+@dataclass(frozen=True)
+class Run:
+    """One ddp_worker run: overrides, processes, strategy, steps, and its data: ``trajectories``
+    (the fixture's), ``flat_then_real`` (step 1 all rewards 1, step 2 the real ones) or None
+    (an offline family's own rows)."""
+
+    overrides: tuple[str, ...]
+    devices: int
+    strategy: str = "ddp"
+    steps: int = 1
+    data: str | None = "trajectories"
+
+
+RUNS: list[Run] = []  # every run of the module: registered at import, run by one fixture
+
+
+def pair(overrides: list[str], strategy: str = "ddp", steps: int = 1, data: str | None = "trajectories"):
+    """The one-process and the two-process run of a case."""
+    runs = Run(tuple(overrides), 1, "ddp", steps, data), Run(tuple(overrides), 2, strategy, steps, data)
+    RUNS.extend(r for r in runs if r not in RUNS)
+    return runs
 
 
 def max_param_diff(a: dict, b: dict) -> float:
@@ -78,47 +68,114 @@ def assert_same_update(one: dict, two: dict) -> None:
     assert max_param_diff(one, two) <= 1e-6
 
 
+# ---------------------------------------------------------------- the cases
+AGG_CASES = [
+    ("token_mean", "ddp"),
+    ("seq_mean_token_mean", "ddp"),
+    ("seq_mean_token_sum_norm", "ddp"),
+    ("token_mean", "fsdp"),
+    ("seq_mean_token_sum_norm", "fsdp"),
+]
+AGG = {
+    case: pair(
+        [
+            *GRPO_8x4,
+            "algo.micro_batch_size=4",  # global: 2 per rank, 4 in the one-process run
+            f"algo.loss_agg_mode={case[0]}",
+            # Adam's first step moves a weight by ~lr * g / (|g| + eps): float noise in a gradient
+            # near eps shows up as up to ~lr * noise / (4 eps), so the step is kept small here.
+            "algo.lr=1e-5",
+        ],
+        case[1],
+    )
+    for case in AGG_CASES
+}
+TOKEN_BUDGET = {
+    strategy: (
+        pair([*GRPO_8x4, "algo.lr=1e-5", "algo.micro_batch_size=4"])[0],
+        pair([*GRPO_8x4, "algo.lr=1e-5", "algo.micro_batch_tokens=90"], strategy)[1],
+    )
+    for strategy in ("ddp", "fsdp")
+}
+OFFLINE = {
+    (family, strategy): pair(
+        [
+            *BASE,
+            f"algo={family}",
+            "algo.batch_size=8",
+            "algo.micro_batch_size=2",
+            "algo.env_eval=false",
+            "algo.lr=1e-5",
+        ],
+        strategy,
+        data=None,
+    )
+    for family in ("sft", "dpo")
+    for strategy in ("ddp", "fsdp")
+}
+NO_GRAD = pair([*GRPO_8x4, "algo.lr=1e-5", "algo.weight_decay=0.1"], steps=2, data="flat_then_real")
+PPO_WARMUP = pair(
+    [
+        *GRPO_8x4,
+        "algo=ppo",
+        "algo.critic_warmup_steps=10",
+        "algo.lr=1e-5",
+        "algo.weight_decay=0.01",
+        # The critic's first LoRA gradients are ~1e-8 (its B starts at 0), where Adam's step
+        # lr * m / (sqrt(v) + eps) turns the reduction order's float noise into ~lr: a larger
+        # eps keeps the comparison about the update rule, not about float summation order.
+        "algo.adam_eps=1e-6",
+    ],
+    steps=15,
+)
+
+
+# ---------------------------------------------------------------- the runs, once
 @pytest.fixture(scope="module")
-def trajectories(tmp_path_factory) -> str:
-    """32 trajectories (8 prompts x 4) from the tiny model; the last 4 groups (rank 1's share
-    with 2 processes) all have equal rewards, so that rank skips every row."""
+def results(tmp_path_factory) -> dict[Run, dict]:
+    """Every run of :data:`RUNS`, in one launch per number of processes. The data: 32
+    trajectories (8 prompts x 4) from the tiny model whose last 4 groups (rank 1's share with 2
+    processes) have equal rewards, so that rank skips every row; and the same 32 with every
+    reward 1 (every GRPO advantage 0: no row trains, no parameter gets a gradient anywhere)."""
     from rlhf_lightning.run import build
 
-    tmp = tmp_path_factory.mktemp("traj")
-    cfg = compose_config([*BASE, "algo.prompts_per_step=8", "algo.group_size=4"], output_dir=tmp / "run")
+    tmp = tmp_path_factory.mktemp("runs")
+    cfg = compose_config(GRPO_8x4, output_dir=tmp / "build")
     torch.manual_seed(0)
     module, _ = build(cfg, tmp)
     result = module.harness.rollout(module.engine, list(range(8)), module.sampling, group_size=4)
     for i, t in enumerate(result.trajectories):
         t.rewards = [1.0] if t.group_id >= 4 else [float(i % 2)]
-    path = tmp / "trajectories.pt"
-    torch.save(result.trajectories, path)
-    return str(path)
+    torch.save(result.trajectories, tmp / "trajectories.pt")
+    for t in result.trajectories:
+        t.rewards = [1.0]
+    torch.save(result.trajectories, tmp / "flat.pt")
+    data = {
+        None: None,
+        "trajectories": str(tmp / "trajectories.pt"),
+        "flat_then_real": [str(tmp / "flat.pt"), str(tmp / "trajectories.pt")],
+    }
+    jobs: dict[int, list[dict]] = {1: [], 2: []}
+    for i, run in enumerate(RUNS):
+        spec = {
+            "overrides": list(run.overrides),
+            "devices": run.devices,
+            "out": str(tmp / f"run{i}" / "out.pt"),
+            "trajectories": data[run.data],
+            "strategy": run.strategy,
+            "steps": run.steps,
+        }
+        (tmp / f"run{i}").mkdir()
+        jobs[run.devices].append({"kind": "ddp_worker", "spec": spec})
+    for nproc, batch in jobs.items():
+        launch(batch, nproc, tmp)
+    return {run: torch.load(tmp / f"run{i}" / "out.pt", weights_only=False) for i, run in enumerate(RUNS)}
 
 
-@pytest.mark.parametrize(
-    ("mode", "strategy"),
-    [
-        ("token_mean", "ddp"),
-        ("seq_mean_token_mean", "ddp"),
-        ("seq_mean_token_sum_norm", "ddp"),
-        ("token_mean", "fsdp"),
-        ("seq_mean_token_sum_norm", "fsdp"),
-    ],
-)
-def test_two_ranks_update_like_one_rank(tmp_path, trajectories, mode, strategy):
-    overrides = [
-        *BASE,
-        "algo.prompts_per_step=8",
-        "algo.group_size=4",
-        "algo.micro_batch_size=4",  # global: 2 per rank, 4 in the one-process run
-        f"algo.loss_agg_mode={mode}",
-        # Adam's first step moves a weight by ~lr * g / (|g| + eps): float noise in a gradient near
-        # eps shows up as up to ~lr * noise / (4 eps), so the step is kept small here.
-        "algo.lr=1e-5",
-    ]
-    one = run_worker(tmp_path, mode, overrides, 1, trajectories)
-    two = run_worker(tmp_path, mode, overrides, 2, trajectories, strategy)
+# ---------------------------------------------------------------- the checks
+@pytest.mark.parametrize(("mode", "strategy"), AGG_CASES)
+def test_two_ranks_update_like_one_rank(results, mode, strategy):
+    one, two = (results[r] for r in AGG[mode, strategy])
     assert two["world"] == 2 and one["world"] == 1
     assert two["sharded"] == (strategy == "fsdp") and not one["sharded"]
     assert one["metrics"]["actor/grad_norm"] > 0
@@ -133,32 +190,19 @@ def test_two_ranks_update_like_one_rank(tmp_path, trajectories, mode, strategy):
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_token_budget_micro_batches_on_two_ranks_update_like_fixed_ones_on_one(
-    tmp_path, trajectories, strategy
-):
+def test_token_budget_micro_batches_on_two_ranks_update_like_fixed_ones_on_one(results, strategy):
     """``algo.micro_batch_tokens``: each rank packs its own rows (FSDP: the ranks agree on the
     count, the shorter one pads with zero-weight passes), the update is the fixed-size one."""
-    common = [*BASE, "algo.prompts_per_step=8", "algo.group_size=4", "algo.lr=1e-5"]
-    one = run_worker(tmp_path, "fixed", [*common, "algo.micro_batch_size=4"], 1, trajectories)
-    two = run_worker(tmp_path, "tokens", [*common, "algo.micro_batch_tokens=90"], 2, trajectories, strategy)
+    one, two = (results[r] for r in TOKEN_BUDGET[strategy])
     assert two["world"] == 2 and two["sharded"] == (strategy == "fsdp")
     assert one["metrics"]["actor/grad_norm"] > 0
     assert_same_update(one, two)
 
 
-@pytest.mark.parametrize(
-    "overrides",
-    [
-        ["algo=sft", "algo.batch_size=8", "algo.micro_batch_size=2", "algo.env_eval=false"],
-        ["algo=dpo", "algo.batch_size=8", "algo.micro_batch_size=2", "algo.env_eval=false"],
-    ],
-    ids=["sft", "dpo"],
-)
+@pytest.mark.parametrize("family", ["sft", "dpo"])
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_offline_two_ranks_update_like_one_rank(tmp_path, overrides, strategy):
-    overrides = [*BASE, *overrides, "algo.lr=1e-5"]  # see the note on Adam above
-    one = run_worker(tmp_path, overrides[len(BASE)][5:], overrides, 1)
-    two = run_worker(tmp_path, overrides[len(BASE)][5:], overrides, 2, strategy=strategy)
+def test_offline_two_ranks_update_like_one_rank(results, family, strategy):
+    one, two = (results[r] for r in OFFLINE[family, strategy])
     assert two["sharded"] == (strategy == "fsdp")
     assert_same_update(one, two)
 
@@ -175,56 +219,21 @@ def adam_state_diff(a: dict, b: dict) -> float:
     return max(diffs)
 
 
-@pytest.fixture(scope="module")
-def flat_rewards(tmp_path_factory, trajectories) -> str:
-    """The same 32 trajectories with every reward 1: every GRPO advantage is 0, so no row trains
-    and no parameter gets a gradient on any rank."""
-    items = torch.load(trajectories, weights_only=False)
-    for t in items:
-        t.rewards = [1.0]
-    path = tmp_path_factory.mktemp("flat") / "flat.pt"
-    torch.save(items, path)
-    return str(path)
-
-
-def test_a_parameter_without_gradient_on_every_rank_is_not_stepped(tmp_path, trajectories, flat_rewards):
+def test_a_parameter_without_gradient_on_every_rank_is_not_stepped(results):
     """Step 1 has no gradient anywhere (all advantages 0), step 2 a real one. One process skips
     step 1 in AdamW (no state, no decay); two processes must too: zeros in place of missing
     gradients would count a step (bias correction) and decay the weights."""
-    overrides = [
-        *BASE,
-        "algo.prompts_per_step=8",
-        "algo.group_size=4",
-        "algo.lr=1e-5",
-        "algo.weight_decay=0.1",
-    ]
-    spec = [flat_rewards, trajectories]
-    one = run_worker(tmp_path, "nograd", overrides, 1, spec, steps=2)
-    two = run_worker(tmp_path, "nograd", overrides, 2, spec, steps=2)
+    one, two = (results[r] for r in NO_GRAD)
     steps = {float(s["step"]) for s in one["adam"].values()}
     assert steps == {1.0}, steps  # one process: only step 2 counted
     assert adam_state_diff(one, two) <= 1e-6
     assert max_param_diff(one, two) <= 1e-7
 
 
-def test_ppo_critic_warmup_two_ranks_like_one_over_15_steps(tmp_path, trajectories):
+def test_ppo_critic_warmup_two_ranks_like_one_over_15_steps(results):
     """PPO's default critic warm-up (10 steps without actor gradients), then 5 actor updates:
     the actor's AdamW state counts its own 5 steps on both, and every update matches."""
-    overrides = [
-        *BASE,
-        "algo=ppo",
-        "algo.prompts_per_step=8",
-        "algo.group_size=4",
-        "algo.critic_warmup_steps=10",
-        "algo.lr=1e-5",
-        "algo.weight_decay=0.01",
-        # The critic's first LoRA gradients are ~1e-8 (its B starts at 0), where Adam's step
-        # lr * m / (sqrt(v) + eps) turns the reduction order's float noise into ~lr: a larger
-        # eps keeps the comparison about the update rule, not about float summation order.
-        "algo.adam_eps=1e-6",
-    ]
-    one = run_worker(tmp_path, "ppo_warmup", overrides, 1, trajectories, steps=15)
-    two = run_worker(tmp_path, "ppo_warmup", overrides, 2, trajectories, steps=15)
+    one, two = (results[r] for r in PPO_WARMUP)
     actor_steps = {float(s["step"]) for n, s in one["adam"].items() if ".actor." in n}
     assert actor_steps == {5.0}, actor_steps
     assert adam_state_diff(one, two) <= 1e-6

@@ -6,10 +6,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,7 +17,8 @@ from rlhf_lightning.data.prompts import PAD_ROW, PromptDataModule, RowDataset, r
 from rlhf_lightning.envs.harness import RolloutResult
 from rlhf_lightning.envs.trajectory import Trajectory
 from rlhf_lightning.rollout.engine import SamplingParams
-from tests.conftest import FAST, ROOT
+from tests.conftest import FAST
+from tests.torchrun_jobs import launch
 
 
 def chunks(rows: list[int], size: int) -> list[list[int]]:
@@ -184,31 +181,41 @@ ONE_EVAL = [
 ]
 
 
-def evaluate(tmp_path: Path, name: str, *overrides: str) -> tuple[dict[str, float], list[dict]]:
-    """Run the eval worker: the eval metrics in ``metrics.csv`` (step 0) and, per rank, its one
-    validation (the eval metrics it holds, its batches)."""
-    out = tmp_path / name
-    out.mkdir()
-    (out / "spec.json").write_text(json.dumps({"overrides": [*ONE_EVAL, *overrides], "out": str(out)}))
-    worker = ROOT / "tests" / "algorithms" / "eval_worker.py"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, str(worker), str(out / "spec.json")],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    ranks = []
-    for path in sorted(out.glob("eval.rank*.json")):
-        validations = json.loads(path.read_text())
-        assert len(validations) == 1, path  # before training only
-        ranks.append(validations[0])
-    with (out / "run" / "metrics.csv").open() as f:
-        (logged,) = [r for r in csv.DictReader(f) if r["step"] == "0"]
-    return {k: float(v) for k, v in logged.items() if k.startswith("eval/")}, ranks
+EVALS = {  # name -> the processes it runs on
+    "one": ["trainer.accelerator=cpu", "trainer.devices=1"],
+    "three_ddp": ["strategy=ddp", "trainer.accelerator=cpu", "trainer.devices=3"],
+    "three_fsdp": [
+        "strategy=fsdp",
+        "trainer.accelerator=cpu",
+        "trainer.devices=3",
+    ],  # every rollout a collective
+}
+
+
+@pytest.fixture(scope="module")
+def evaluations(tmp_path_factory) -> dict[str, tuple[dict[str, float], list[dict]]]:
+    """Every run of :data:`EVALS` through the eval worker, one launch per number of processes:
+    the eval metrics in ``metrics.csv`` (step 0) and, per rank, its one validation (the eval
+    metrics it holds, its batches)."""
+    tmp = tmp_path_factory.mktemp("eval")
+    jobs: dict[int, list[dict]] = {}
+    for name, overrides in EVALS.items():
+        (tmp / name).mkdir()
+        spec = {"overrides": [*ONE_EVAL, *overrides], "out": str(tmp / name)}
+        jobs.setdefault(int(overrides[-1].split("=")[1]), []).append({"kind": "eval_worker", "spec": spec})
+    for nproc, batch in jobs.items():
+        launch(batch, nproc, tmp)
+    out = {}
+    for name in EVALS:
+        ranks = []
+        for path in sorted((tmp / name).glob("eval.rank*.json")):
+            validations = json.loads(path.read_text())
+            assert len(validations) == 1, path  # before training only
+            ranks.append(validations[0])
+        with (tmp / name / "run" / "metrics.csv").open() as f:
+            (logged,) = [r for r in csv.DictReader(f) if r["step"] == "0"]
+        out[name] = ({k: float(v) for k, v in logged.items() if k.startswith("eval/")}, ranks)
+    return out
 
 
 def real_rows(batches: list[dict]) -> list[int]:
@@ -232,21 +239,12 @@ def success_by_row(batches: list[dict], temperature_zero: bool) -> dict[int, lis
     return out
 
 
-@pytest.fixture(scope="module")
-def one_process(tmp_path_factory) -> tuple[dict[str, float], dict]:
-    one, (solo,) = evaluate(
-        tmp_path_factory.mktemp("eval"), "one", "trainer.accelerator=cpu", "trainer.devices=1"
-    )
-    return one, solo
-
-
 @pytest.mark.slow
+@pytest.mark.xdist_group("eval_ranks")
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])  # fsdp: every rollout is a collective
-def test_three_process_eval_counts_every_row_once_and_matches_one_process(tmp_path, one_process, strategy):
-    one, solo = one_process
-    three, ranks = evaluate(
-        tmp_path, "three", f"strategy={strategy}", "trainer.accelerator=cpu", "trainer.devices=3"
-    )
+def test_three_process_eval_counts_every_row_once_and_matches_one_process(evaluations, strategy):
+    one, (solo,) = evaluations["one"]
+    three, ranks = evaluations[f"three_{strategy}"]
     assert len(ranks) == 3
     per_rank = [r["batches"] for r in ranks]
     # Each row evaluated exactly once over all ranks; the one process saw every row once too.

@@ -90,4 +90,3 @@ class Dies(Hangs):
         if self.row == 1:
             os._exit(9)
         return "", 1.0, True, False, {}
-

@@ -107,5 +107,5 @@ def test_partial_rollouts_switch_the_vllm_engines_weights_between_turns(tmp_path
 def test_sigkill_then_resume_continues_a_vllm_producers_run_exactly(tmp_path):
     """The regenerated batches in flight draw what the uninterrupted run's did: each generate
     call of a batch has its own seed (from the batch's), not the engine's running generator."""
-    killed, step = killed_and_resumed(tmp_path, [*ASYNC, *VLLM])
-    assert_continues_exactly(tmp_path / "A", killed, after=step)
+    uninterrupted, killed, step = killed_and_resumed(tmp_path, [*ASYNC, *VLLM])
+    assert_continues_exactly(uninterrupted, killed, after=step)
