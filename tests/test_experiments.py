@@ -33,6 +33,7 @@ def test_multiturn_presets_compose_and_validate(experiment, algo):
     assert cfg.algo.prompts_per_step * cfg.algo.group_size <= 64
 
 
+@pytest.mark.slow
 def test_guess_number_step_plays_multiturn_episodes_with_consistent_turn_ids(tmp_path):
     cfg = compose_config(
         [

@@ -52,6 +52,7 @@ def test_checkpoints_are_staged_in_their_own_directory(tmp_path, monkeypatch):
     assert sorted(p.name for p in ckpt_dir.iterdir()) == ["last.ckpt"]
 
 
+@pytest.mark.slow
 def test_the_trainer_saves_through_the_atomic_checkpoint_io(tmp_path):
     from rlhf_lightning.run import run
 
@@ -65,6 +66,7 @@ def test_the_trainer_saves_through_the_atomic_checkpoint_io(tmp_path):
     assert "last.ckpt" in ckpts and not [p for p in ckpts if p.startswith(".")]
 
 
+@pytest.mark.slow
 def test_a_second_ctrl_c_during_the_stop_checkpoint_exits_130(tmp_path, monkeypatch):
     """The second Ctrl-C lands while the first one's checkpoint is being written: torch's zip
     writer then raises its own error over the KeyboardInterrupt. The run still exits 130, the
@@ -113,6 +115,7 @@ def test_a_second_ctrl_c_during_the_stop_checkpoint_exits_130(tmp_path, monkeypa
     assert torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
 
 
+@pytest.mark.slow
 def test_a_second_ctrl_c_after_the_fit_exits_130(tmp_path, monkeypatch):
     """The second Ctrl-C lands once the fit has stopped, in the final adapter export, where
     Python's own handler is back: still 130, and the stop's checkpoint is there."""

@@ -110,7 +110,7 @@ RUNS = {  # name -> overrides (output_dir: <runs>/<name>); run in this order
 }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per test process, however xdist orders the module's tests
 def runs(tmp_path_factory) -> Path:
     """Every run of :data:`RUNS` and the rows each rank trains on (ddp_worker), in one launch."""
     from tests.torchrun_jobs import launch

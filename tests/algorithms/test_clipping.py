@@ -67,6 +67,7 @@ def rounding_tolerance(dtype: torch.dtype, num_layers: int) -> float:
 @pytest.mark.parametrize(
     ("precision", "dtype"), [("16-mixed", torch.float16), ("bf16-mixed", torch.bfloat16)]
 )
+@pytest.mark.slow
 def test_clipping_sees_unscaled_gradients_under_mixed_precision(tmp_path, precision, dtype):
     full = grad_norm_of_first_step(tmp_path, "32-true")
     mixed = grad_norm_of_first_step(tmp_path, precision)

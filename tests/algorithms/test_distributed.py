@@ -131,7 +131,7 @@ PPO_WARMUP = pair(
 
 
 # ---------------------------------------------------------------- the runs, once
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per test process, however xdist orders the module's tests
 def results(tmp_path_factory) -> dict[Run, dict]:
     """Every run of :data:`RUNS`, in one launch per number of processes. The data: 32
     trajectories (8 prompts x 4) from the tiny model whose last 4 groups (rank 1's share with 2

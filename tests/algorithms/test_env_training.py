@@ -39,6 +39,7 @@ def custom_cfg(tmp_path, *extra):
     )
 
 
+@pytest.mark.slow
 def test_third_party_env_selected_by_target_trains(tmp_path):
     cfg = custom_cfg(tmp_path, "+env.kwargs.words='ant,bee,eel'", "env.max_turns=2", "algo.lr=1e-2")
     module, _ = build(cfg, tmp_path)
@@ -49,6 +50,7 @@ def test_third_party_env_selected_by_target_trains(tmp_path):
     assert module.harness.env_factory().words == ["ant", "bee", "eel"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env", ["guess_number", "sudoku", "tool_calc", "math"])
 def test_multi_turn_envs_train_end_to_end(fast_cfg, tmp_path, env):
     overrides = (

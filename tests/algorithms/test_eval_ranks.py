@@ -192,7 +192,7 @@ EVALS = {  # name -> the processes it runs on
 }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per test process, however xdist orders the module's tests
 def evaluations(tmp_path_factory) -> dict[str, tuple[dict[str, float], list[dict]]]:
     """Every run of :data:`EVALS` through the eval worker, one launch per number of processes:
     the eval metrics in ``metrics.csv`` (step 0) and, per rank, its one validation (the eval

@@ -25,6 +25,7 @@ def fit(cfg, tmp_path, steps=1, callbacks=()):
     return fit_steps(cfg, tmp_path, steps, callbacks)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", AGGREGATION_MODES)
 def test_micro_batch_accumulation_equals_one_large_batch(fast_cfg, tmp_path, mode):
     grads = []
@@ -45,6 +46,7 @@ def test_micro_batch_accumulation_equals_one_large_batch(fast_cfg, tmp_path, mod
             torch.testing.assert_close(other[name], grads[0][name], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_skipping_zero_advantage_rows_keeps_the_gradient(fast_cfg, tmp_path):
     grads = []
     for skip in ("true", "false"):
@@ -55,6 +57,7 @@ def test_skipping_zero_advantage_rows_keeps_the_gradient(fast_cfg, tmp_path):
         torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss", ["ppo_clip", "cispo", "reinforce"])
 def test_training_moves_adapter_and_leaves_base_bit_identical(fast_cfg, tmp_path, loss):
     cfg = fast_cfg(f"algo.loss={loss}", "algo.lr=1e-2", "algo.update_epochs=2", "algo.mini_batch_size=8")
@@ -70,12 +73,14 @@ def test_training_moves_adapter_and_leaves_base_bit_identical(fast_cfg, tmp_path
             assert torch.equal(p.detach(), before[n]), f"frozen base weight {n} changed"
 
 
+@pytest.mark.slow
 def test_kl_term_and_full_finetuning_run(fast_cfg, tmp_path):
     module = fit(fast_cfg("algo.beta=0.1", "model.finetune=full", "algo.lr=1e-3"), tmp_path, steps=2)
     assert module.policy.reference is not None
     assert all(p.requires_grad for p in module.policy.model.parameters())
 
 
+@pytest.mark.slow
 def test_metrics_are_namespaced_and_logged(fast_cfg, tmp_path):
     cfg = fast_cfg("algo.beta=0.05")
     module, dm = build(cfg, tmp_path)

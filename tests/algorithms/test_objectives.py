@@ -31,6 +31,7 @@ CASES = (
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("field", "name", "extra"), CASES, ids=[f"{f}={n}" for f, n, _ in CASES])
 def test_every_option_moves_the_parameters(fast_cfg, tmp_path, field, name, extra):
     # gspo's paper clip range (3e-4) would clip everything after the first of 2 epochs: use a wide one
@@ -59,6 +60,7 @@ class HalfConstantEnv:
         return "", reward, True, False, {"even_row": self.row % 2 == 0}
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_refills_the_batch_with_informative_groups(tmp_path):
     overrides = [o for o in FAST if not o.startswith("env.kwargs")]
     cfg = compose_config(
@@ -97,6 +99,7 @@ def test_dynamic_sampling_refills_the_batch_with_informative_groups(tmp_path):
     assert metrics["env/even_row"].item() >= 0
 
 
+@pytest.mark.slow
 def test_truncated_is_metrics_and_rollout_old_logprobs(fast_cfg, tmp_path):
     _, trainer = fit_steps(fast_cfg("algo.tis_cap=2.0"), tmp_path, steps=1)
     # HF generate samples with the trainer's own weights: the gap is float noise.
@@ -110,6 +113,7 @@ def test_truncated_is_metrics_and_rollout_old_logprobs(fast_cfg, tmp_path):
     assert "is/gap_mean" not in trainer.callback_metrics  # no trainer log-probs to compare
 
 
+@pytest.mark.slow
 def test_offpolicy_masks_and_overlong_penalty_are_logged(fast_cfg, tmp_path):
     cfg = fast_cfg(
         "algo.offpolicy_token_bounds=[0.5,2.0]",
@@ -125,6 +129,7 @@ def test_offpolicy_masks_and_overlong_penalty_are_logged(fast_cfg, tmp_path):
     assert "rollout/overlong_penalty" in m and "rollout/masked_truncated_frac" in m
 
 
+@pytest.mark.slow
 def test_use_liger_loss_falls_back_on_cpu_with_one_warning(fast_cfg, tmp_path, caplog):
     with caplog.at_level("WARNING"):
         module, _ = fit_steps(fast_cfg("algo.use_liger_loss=true"), tmp_path, steps=2)

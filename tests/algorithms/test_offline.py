@@ -37,6 +37,7 @@ def test_sft_loss_only_on_assistant_tokens(tiny_tokenizer):
     assert tok.decode(t.token_ids) + "\n" == rendered
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("packing", [False, True])
 def test_sft_lowers_the_loss_on_the_shipped_data(tmp_path, tiny_tokenizer, packing):
     # From a freshly initialised tiny model: the shipped checkpoint was already SFT-ed on this task.
@@ -153,6 +154,7 @@ def test_chaining_sft_dpo_grpo_through_adapter_path(tmp_path):
             assert (previous / "reference" / "adapter_config.json").is_file()
 
 
+@pytest.mark.slow
 def test_lora_config_mismatch_shows_both(tmp_path):
     cfg = compose_config(
         [

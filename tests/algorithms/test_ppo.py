@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from peft import PeftModel
 
@@ -33,6 +34,7 @@ def record_levels(levels: list):
     return hook
 
 
+@pytest.mark.slow
 def test_critic_warmup_leaves_the_actor_bit_identical(tmp_path):
     cfg = ppo_cfg(tmp_path, "algo.critic_warmup_steps=3", "algo.lr=1e-2", "algo.lr_critic=1e-2")
     start: dict[str, list[torch.Tensor]] = {}
@@ -57,6 +59,7 @@ def test_critic_warmup_leaves_the_actor_bit_identical(tmp_path):
     assert any(moved), "the actor never trained after warm-up"
 
 
+@pytest.mark.slow
 def test_ppo_multi_turn_guess_number_runs(tmp_path):
     overrides = [o for o in FAST if not o.startswith("env.kwargs")]
     cfg = compose_config(
@@ -84,6 +87,7 @@ def test_ppo_multi_turn_guess_number_runs(tmp_path):
     assert ("critic/value_turn_1" in m) == (float(m["rollout/num_turns"]) > 1)
 
 
+@pytest.mark.slow
 def test_ppo_token_level_gae_runs_on_multi_turn_episodes(tmp_path):
     """advantage_granularity=token on multi-turn episodes: one GAE over the action tokens of all
     turns, each turn's reward on its last token (the turn-level ablation's other arm)."""
@@ -108,6 +112,7 @@ def test_ppo_token_level_gae_runs_on_multi_turn_episodes(tmp_path):
     assert "critic/value_turn_0" not in m  # per-turn values are a turn-level diagnostic
 
 
+@pytest.mark.slow
 def test_ppo_exports_actor_and_critic_adapters(tmp_path):
     cfg = ppo_cfg(tmp_path, "algo.critic_warmup_steps=0", "checkpoint.every_n_steps=2", "trainer.max_steps=2")
     result = run(cfg)

@@ -31,6 +31,7 @@ def actor_equals_reference(policy) -> bool:
     return all(torch.equal(a, r) for a, r in pairs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_reference_equals_actor_right_after_each_refresh(tmp_path, family):
     cfg = compose_config(

@@ -298,6 +298,7 @@ def test_ids_that_need_the_network_are_refused_with_the_reason(monkeypatch):
         GemEnv(id="game:Wordle-v0-easy")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env_id", [SUDOKU, GUESS])
 def test_three_training_steps_with_tiny_chat_replay_through_gem(fast_cfg, tmp_path, env_id):
     """env=gem through the real config: 3 GRPO steps of tiny_chat; every reply it generated,

@@ -174,6 +174,7 @@ def test_start_up_errors_name_the_field_and_the_fix(monkeypatch):
     ],
     ids=["basic_arithmetic", "chain_sum+gcd"],
 )
+@pytest.mark.slow
 def test_three_training_steps_with_tiny_chat_replay_through_reasoning_gym(fast_cfg, tmp_path, overrides):
     """env=reasoning_gym through the real config: 3 GRPO steps of tiny_chat; each reply it
     generated, scored by reasoning-gym directly on the same item, gets the reward we trained on."""

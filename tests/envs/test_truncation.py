@@ -119,6 +119,7 @@ def test_mask_truncated_drops_cut_and_unfinished_episodes_from_the_loss():
     assert metrics["rollout/masked_truncated_frac"] == pytest.approx(2 / 3)
 
 
+@pytest.mark.slow
 def test_a_short_token_budget_shows_in_truncated_frac_and_the_mask(fast_cfg, tmp_path):
     from tests.conftest import fit_steps
 

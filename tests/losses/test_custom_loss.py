@@ -53,6 +53,7 @@ def user_module(tmp_path, monkeypatch):
         POLICY_LOSSES._meta.pop(name, None)
 
 
+@pytest.mark.slow
 def test_a_loss_from_outside_the_package_trains_with_its_own_hyper_parameter(tmp_path, user_module):
     cfg = compose_config(
         [*FAST, f"algo.loss={MODULE}.scaled_pg", "+algo.loss_kwargs.scale=0.5", "samples.every_n_steps=0"],

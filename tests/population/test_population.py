@@ -87,6 +87,7 @@ def test_population_trains_evolves_and_writes_its_lineage(tmp_path):
     assert (out / "population" / "best" / "actor" / "adapter_config.json").is_file()
 
 
+@pytest.mark.slow
 def test_clone_at_evolution_copies_the_parent_exactly(tmp_path):
     """Cloning inside a run: the child's weights and optimizer state equal its parent's at selection."""
     seen = {}

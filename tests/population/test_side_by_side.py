@@ -155,6 +155,7 @@ def test_max_steps_counts_member_updates_and_the_log_shows_both(tmp_path):
         assert key in header and not any(h.endswith(f"/{key}") and h.startswith("member_") for h in header)
 
 
+@pytest.mark.slow
 def test_max_steps_must_be_a_whole_number_of_population_steps(tmp_path):
     with pytest.raises(ConfigError, match=r"trainer\.max_steps=3.*multiple of 2"):
         run(compose_config([*POP, "trainer.max_steps=3"], output_dir=tmp_path / "r"))
