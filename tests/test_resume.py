@@ -71,14 +71,16 @@ def run_somewhere(cwd: Path, *overrides: str) -> None:
         run_here(*overrides)
 
 
-# Uninterrupted runs by their overrides (checkpointing and log flushing left out: they change
-# no metric), shared by the tests that compare an interrupted run with one.
+# Uninterrupted runs by their overrides, shared by the tests that compare an interrupted run
+# with one. Overrides that change no metric are left out: checkpointing, log flushing, the
+# producer's time limit, the async tests' probe callback.
+QUIET = ("checkpoint.", "logger.flush_every_n_steps", "rollout.async_timeout_s", "+callbacks.probe")
 _REFERENCES: dict[tuple[str, ...], Path] = {}
 
 
 def reference(cwd: Path, overrides: list[str]) -> Path:
     """The directory of the uninterrupted run of ``overrides``, run once per session."""
-    key = tuple(o for o in overrides if not o.startswith(("checkpoint.", "logger.flush_every_n_steps")))
+    key = tuple(o for o in overrides if not o.startswith(QUIET))
     if key not in _REFERENCES:
         out = cwd / "A"
         run_somewhere(cwd, *key, "checkpoint.every_n_steps=0", f"output_dir={out}")
@@ -223,24 +225,23 @@ def test_two_runs_started_together_get_two_directories(tmp_path):
         assert steps == ["1", "2"]  # each step once: no interleaving
 
 
-def test_resume_true_never_picks_a_sibling_run_with_another_config(tmp_path):
+def test_resume_true_never_picks_a_sibling_run_with_another_config(tmp_path, monkeypatch):
+    from rlhf_lightning.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)  # the runs' outputs/ (train.py's default place) is this test's
     base = ["name=exp", "trainer.max_steps=2", "checkpoint.every_n_steps=2"]
-    train(tmp_path, *base, "hydra.run.dir=outputs/exp/mine")
-    train(tmp_path, *base, "algo=cispo", "hydra.run.dir=outputs/exp/sibling")  # newer, other algo
-    log = train(tmp_path, *base, "trainer.max_steps=3", "resume=true")
-    assert f"resuming from {tmp_path / 'outputs' / 'exp' / 'mine' / 'checkpoints' / 'last.ckpt'}" in log
-    assert [k for k in rows(tmp_path / "outputs" / "exp" / "mine") if " " not in k] == ["1", "2", "3"]
-    out = train(tmp_path, *base, "algo.lr=0.5", "resume=true", rc=1)
-    assert "error: invalid config: resume=True" in out and "algo.lr" in out
-    out = train(
-        tmp_path,
-        *base,
-        "algo.lr=0.5",
-        f"output_dir={tmp_path / 'outputs' / 'exp' / 'mine'}",
-        "resume=true",
-        rc=1,
-    )
-    assert "differs in: algo.lr: " in out and " -> 0.5" in out and "resume_force=true" in out
+    mine = tmp_path / "outputs" / "exp" / "mine"
+    run_here(*base, f"output_dir={mine}")
+    run_here(
+        *base, "algo=cispo", f"output_dir={tmp_path / 'outputs' / 'exp' / 'sibling'}"
+    )  # newer, other algo
+    log = train(tmp_path, *base, "trainer.max_steps=3", "resume=true")  # the command line finds it
+    assert f"resuming from {mine / 'checkpoints' / 'last.ckpt'}" in log
+    assert [k for k in rows(mine) if " " not in k] == ["1", "2", "3"]
+    with pytest.raises(ConfigError, match=r"invalid config: resume=True(?s:.*)algo\.lr"):
+        run_here(*base, "algo.lr=0.5", "resume=true")
+    with pytest.raises(ConfigError, match=r"differs in: algo\.lr: .* -> 0\.5(?s:.*)resume_force=true"):
+        run_here(*base, "algo.lr=0.5", f"output_dir={mine}", "resume=true")
 
 
 def test_checkpoints_and_adapters_are_bounded(tmp_path):
