@@ -135,7 +135,7 @@ def runs(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("ddp_runs")
+@pytest.mark.xdist_group(name="ddp_runs")
 @pytest.mark.parametrize("algo", sorted(ALGOS))
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_dynamic_sampling_and_critic_warmup_under_ddp(runs, algo, strategy):
@@ -144,7 +144,7 @@ def test_dynamic_sampling_and_critic_warmup_under_ddp(runs, algo, strategy):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("ddp_runs")
+@pytest.mark.xdist_group(name="ddp_runs")
 def test_fsdp_checkpoint_holds_full_trainable_weights_and_resumes(runs):
     import torch
 
@@ -184,7 +184,7 @@ def test_multirun_with_two_processes_runs_each_job_once(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("ddp_runs")
+@pytest.mark.xdist_group(name="ddp_runs")
 def test_ranks_train_on_different_prompts_of_the_global_batch(runs):
     rank0 = json.loads((runs / "rows" / "rows.rank0.json").read_text())
     rank1 = json.loads((runs / "rows" / "rows.rank1.json").read_text())
@@ -235,7 +235,7 @@ def test_torchrun_launches_the_ranks(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("ddp_runs")
+@pytest.mark.xdist_group(name="ddp_runs")
 def test_population_side_by_side_under_ddp_ranks_agree_on_members(runs):
     """Two ranks, members side by side: each rank runs every member's update in the same order;
     after every evolution the ranks compare ids, hyper-parameters and member weights."""
@@ -248,7 +248,7 @@ def test_population_side_by_side_under_ddp_ranks_agree_on_members(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("ddp_runs")
+@pytest.mark.xdist_group(name="ddp_runs")
 def test_population_under_ddp_ranks_agree_on_selection(runs):
     out = runs / "round_robin"
     lineage = list(csv.DictReader((out / "lineage.csv").open()))

@@ -17,7 +17,7 @@ import torch
 from tests.conftest import FAST, compose_config
 from tests.torchrun_jobs import launch
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("distributed")]
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(name="distributed")]
 
 BASE = [o for o in FAST if not o.startswith("algo.")]
 GRPO_8x4 = [*BASE, "algo.prompts_per_step=8", "algo.group_size=4"]

@@ -240,7 +240,7 @@ def success_by_row(batches: list[dict], temperature_zero: bool) -> dict[int, lis
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("eval_ranks")
+@pytest.mark.xdist_group(name="eval_ranks")
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])  # fsdp: every rollout is a collective
 def test_three_process_eval_counts_every_row_once_and_matches_one_process(evaluations, strategy):
     one, (solo,) = evaluations["one"]
