@@ -8,8 +8,8 @@ import hydra
 from omegaconf import DictConfig
 
 from rlhf_lightning.config import register_configs
-from rlhf_lightning.errors import ConfigError
-from rlhf_lightning.field_checks import early_checks
+from rlhf_lightning.config.early import early_checks
+from rlhf_lightning.config.errors import ConfigError
 
 register_configs()
 

@@ -31,8 +31,14 @@ def parts() -> tuple:
 
     from rlhf_lightning.algorithms.spec import get_algorithm
     from rlhf_lightning.config import register_configs
-    from rlhf_lightning.factories import build_engine, harness_from, model_from, sampling_from, tokenizer_from
     from rlhf_lightning.models.build import build_policy
+    from rlhf_lightning.run.factories import (
+        build_engine,
+        harness_from,
+        model_from,
+        sampling_from,
+        tokenizer_from,
+    )
 
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):

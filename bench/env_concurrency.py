@@ -50,11 +50,11 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from env_concurrency import SleepyEnv as Env  # type: ignore[import-not-found]
 
-    from rlhf_lightning.envs.chat import ChatFormatter
-    from rlhf_lightning.envs.harness import RolloutHarness
     from rlhf_lightning.models.build import build_policy, load_model, load_tokenizer
     from rlhf_lightning.models.tiny import TINY_MODEL_DIR
+    from rlhf_lightning.rollout.chat import ChatFormatter
     from rlhf_lightning.rollout.engine import SamplingParams
+    from rlhf_lightning.rollout.harness import RolloutHarness
     from rlhf_lightning.rollout.hf import HFEngine
 
     tok = load_tokenizer(str(TINY_MODEL_DIR))

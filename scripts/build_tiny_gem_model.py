@@ -43,9 +43,9 @@ from make_gem_sft_data import GAMES, gem_dialogues, summary
 from rlhf_lightning.algorithms.evaluation import episode_success
 from rlhf_lightning.config import ASSETS
 from rlhf_lightning.envs.gem import GemEnv
-from rlhf_lightning.envs.harness import ChatFormatter, RolloutHarness
 from rlhf_lightning.models.tiny import build_tiny_model, build_tokenizer
 from rlhf_lightning.rollout.engine import RolloutEngine, SamplingParams
+from rlhf_lightning.rollout.harness import ChatFormatter, RolloutHarness
 from rlhf_lightning.run import run
 
 GEM_MODEL_DIR = ASSETS / "tiny_gem"

@@ -51,11 +51,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from rlhf_lightning.algorithms.spec import get_algorithm
 from rlhf_lightning.config import ASSETS
-from rlhf_lightning.envs.chat import env_tools
-from rlhf_lightning.envs.harness import RolloutHarness
-from rlhf_lightning.factories import harness_from
 from rlhf_lightning.models.tiny import build_tiny_model, build_tokenizer
+from rlhf_lightning.rollout.chat import env_tools
+from rlhf_lightning.rollout.harness import RolloutHarness
 from rlhf_lightning.run import run
+from rlhf_lightning.run.factories import harness_from
 
 TOOLS_MODEL_DIR = ASSETS / "tiny_tools"
 TOOLS_TEMPLATE = ASSETS / "chat_templates" / "tools.jinja"

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_lightning.errors import ConfigError
-from rlhf_lightning.field_checks import early_checks
-from rlhf_lightning.validation import validate, validate_producer_devices
+from rlhf_lightning.config.early import early_checks
+from rlhf_lightning.config.errors import ConfigError
+from rlhf_lightning.run.validation import validate, validate_producer_devices
 from tests.conftest import FAST, compose_config
 
 ASYNC = "rollout.mode=async"

@@ -11,10 +11,10 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
-from rlhf_lightning.errors import ConfigError
+from rlhf_lightning.config.errors import ConfigError
 from rlhf_lightning.models.build import load_tokenizer
 from rlhf_lightning.models.tiny import build_tokenizer
-from rlhf_lightning.validation import validate
+from rlhf_lightning.run.validation import validate
 from tests.conftest import CONF, compose_config
 
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())

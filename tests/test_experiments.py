@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rlhf_lightning.config import ASSETS
-from rlhf_lightning.validation import validate
+from rlhf_lightning.run.validation import validate
 from tests.conftest import compose_config, fit_steps, spy_collect
 
 CHAT_MODEL = ASSETS / "tiny_chat"

@@ -15,7 +15,7 @@ pytest.importorskip("gem", reason="env=gem needs the gem extra: pip install 'rlh
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from rlhf_lightning.config import ASSETS
-from rlhf_lightning.validation import validate
+from rlhf_lightning.run.validation import validate
 from tests.conftest import compose_config, fit_steps, spy_collect, trainable_snapshot
 
 GEM_MODEL = ASSETS / "tiny_gem"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_lightning.callbacks.objective import optimized_value
-from rlhf_lightning.errors import ConfigError
+from rlhf_lightning.config.errors import ConfigError
 
 CSV = """step,rollout/reward_mean,eval/accuracy_sampled,train/loss
 0,,0.20,

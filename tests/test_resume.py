@@ -226,7 +226,7 @@ def test_two_runs_started_together_get_two_directories(tmp_path):
 
 
 def test_resume_true_never_picks_a_sibling_run_with_another_config(tmp_path, monkeypatch):
-    from rlhf_lightning.errors import ConfigError
+    from rlhf_lightning.config.errors import ConfigError
 
     monkeypatch.chdir(tmp_path)  # the runs' outputs/ (train.py's default place) is this test's
     base = ["name=exp", "trainer.max_steps=2", "checkpoint.every_n_steps=2"]

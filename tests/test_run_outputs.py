@@ -17,8 +17,8 @@ import torch
 
 from rlhf_lightning.callbacks.checkpoints import AtomicCheckpointIO
 from rlhf_lightning.callbacks.progress import ProgressLog, auto_every, format_duration
-from rlhf_lightning.errors import ConfigError
-from rlhf_lightning.validation import validate
+from rlhf_lightning.config.errors import ConfigError
+from rlhf_lightning.run.validation import validate
 from tests.conftest import FAST, ROOT, compose_config
 from tests.test_resume import rows, start, train
 from tests.test_rundir import hold

@@ -12,8 +12,8 @@ import torch
 from omegaconf import OmegaConf
 
 from rlhf_lightning.callbacks.signals import StopOnSignal
-from rlhf_lightning.errors import ConfigError
-from rlhf_lightning.rundir import (
+from rlhf_lightning.config.errors import ConfigError
+from rlhf_lightning.run.rundir import (
     LOCK,
     check_same_run,
     claim_run_dir,

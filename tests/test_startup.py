@@ -1,6 +1,6 @@
 """A bad key fails in Hydra's composition, and a bad value of a common field in the early checks,
 before torch, Lightning or transformers are imported (``train.py`` imports the run only after
-``rlhf_lightning.field_checks.early_checks``; the config schemas import none of them). How long
+``rlhf_lightning.config.early.early_checks``; the config schemas import none of them). How long
 it takes is measured by ``bench/startup.py``, not here."""
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def test_the_early_name_lists_are_the_registries_names():
     """The names field_checks accepts before torch are exactly the registries' built-in ones
     (read in a fresh interpreter: a test may have registered a loss of its own in this one)."""
     code = (
-        "from rlhf_lightning import algo_config as ac\n"
+        "from rlhf_lightning.config import algo as ac\n"
         "from rlhf_lightning.losses import ADVANTAGE_ESTIMATORS as A, AGGREGATION_MODES, KL_ESTIMATORS, POLICY_LOSSES\n"
         "outcome = [n for n in A.names() if A.meta(n).get('kind') == 'outcome']\n"
         "assert list(ac.BUILTIN_POLICY_LOSSES) == POLICY_LOSSES.names(), POLICY_LOSSES.names()\n"

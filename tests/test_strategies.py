@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
-from rlhf_lightning.errors import ConfigError
-from rlhf_lightning.strategies import build_strategy
-from rlhf_lightning.validation import validate
+from rlhf_lightning.config.errors import ConfigError
+from rlhf_lightning.run.validation import validate
+from rlhf_lightning.runtime.strategies import build_strategy
 from tests.conftest import FAST, ROOT, compose_config
 
 DDP = ["strategy=ddp", "trainer.accelerator=cpu", "trainer.devices=2"]

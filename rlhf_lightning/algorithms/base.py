@@ -8,35 +8,51 @@
 
 Subclasses override :meth:`compute_advantages` and :meth:`policy_term` (and may add a critic
 through :meth:`critic_term`, or change how rollouts are collected); the loss of a micro-batch
-is one :class:`~rlhf_lightning.algorithms.objective.Objective`; the rest lives here once.
+is one :class:`~rlhf_lightning.learner.objective.Objective`; the rest lives here once.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from rlhf_lightning.algorithms.async_rollout import AsyncRollouts, BatchSource
-from rlhf_lightning.algorithms.collector import Collector, actor_source
 from rlhf_lightning.algorithms.common import MetricAccumulator, Metrics
 from rlhf_lightning.algorithms.diagnostics import rollout_metrics, sample_rows, warn_on_engine_gap
 from rlhf_lightning.algorithms.evaluation import RolloutEvaluation
-from rlhf_lightning.algorithms.liger_path import use_liger
-from rlhf_lightning.algorithms.objective import CriticTerm, MicroBatch, Objective, PolicyTerm
-from rlhf_lightning.algorithms.objective_build import build_objective
-from rlhf_lightning.algorithms.optimizer import adamw_with_schedule, total_optimizer_steps
 from rlhf_lightning.algorithms.population_step import PopulationStep
-from rlhf_lightning.algorithms.records import Advantages, Scored, UpdateInputs
-from rlhf_lightning.algorithms.scoring import Scorer, finalize_rewards
-from rlhf_lightning.algorithms.update_plan import UpdatePlan, no_grad_head
-from rlhf_lightning.envs.harness import RolloutHarness, RolloutResult
-from rlhf_lightning.envs.trajectory import TrajectoryBatch
+from rlhf_lightning.data.resumable import rows_of_batch
+from rlhf_lightning.learner.liger_path import use_liger
+from rlhf_lightning.learner.objective import CriticTerm, MicroBatch, Objective, PolicyTerm
+from rlhf_lightning.learner.objective_build import build_objective
+from rlhf_lightning.learner.optimizer import adamw_with_schedule, total_optimizer_steps
+from rlhf_lightning.learner.plan import UpdatePlan, no_grad_head
+from rlhf_lightning.learner.records import Advantages, Scored, UpdateInputs
+from rlhf_lightning.learner.scoring import Scorer, finalize_rewards
 from rlhf_lightning.models.policy import Policy
 from rlhf_lightning.models.sharding import gathered
+from rlhf_lightning.rollout.async_rollout import AsyncRollouts, BatchSource
+from rlhf_lightning.rollout.collector import Collector
 from rlhf_lightning.rollout.engine import RolloutEngine, SamplingParams
+from rlhf_lightning.rollout.harness import RolloutHarness, RolloutResult
 from rlhf_lightning.rollout.hooks import RolloutHooks, hook_callbacks
+from rlhf_lightning.rollout.trajectory import TrajectoryBatch
+
+
+def actor_source(
+    policy: Any, rank: int, loader: Callable[[], Any], world_size: int = 1, device: str = "cpu"
+) -> BatchSource:
+    """The producer's view of the trainer: ``rank``, a CPU copy of ``policy``'s actor weights
+    (by the role the policy was built with), the rows of the train ``loader()``'s future batches,
+    the number of ranks and the trainer's ``device``."""
+    actor = policy.roles["actor"]
+
+    def weights() -> dict[str, torch.Tensor]:
+        return {n: p.detach().to("cpu", copy=True) for n, p in policy.named_parameters() if n in actor}
+
+    return BatchSource(rank, weights, lambda b: rows_of_batch(loader(), b), world_size, device)
 
 
 class RolloutModule(PopulationStep, RolloutEvaluation):
@@ -271,7 +287,7 @@ class RolloutModule(PopulationStep, RolloutEvaluation):
         self, traj: TrajectoryBatch, old_logp: torch.Tensor | None, ref_logp: torch.Tensor | None
     ) -> Scored:
         """Shaped returns -> advantages, and the loss mask (action tokens that count): the
-        :class:`~rlhf_lightning.algorithms.scoring.Scorer` of the current hyper-parameters
+        :class:`~rlhf_lightning.learner.scoring.Scorer` of the current hyper-parameters
         (a population member's may differ) with this family's advantage estimator."""
         scorer = Scorer.from_hp(self.hp, self.sampling.max_new_tokens, self.per_token_kl_reward)
         return scorer(traj, old_logp, ref_logp, self.compute_advantages, self.advantages_with_kl_rewards)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, open_dict
 
-from rlhf_lightning.algorithms.liger_path import liger_unsupported
-from rlhf_lightning.errors import check
+from rlhf_lightning.config.errors import check
+from rlhf_lightning.learner.liger_path import liger_unsupported
 from rlhf_lightning.losses import ADVANTAGE_ESTIMATORS, AGGREGATION_MODES, KL_ESTIMATORS, POLICY_LOSSES
 
 CLIP_FIELDS = ("clip_low", "clip_high")

@@ -11,14 +11,14 @@ import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from rlhf_lightning.algorithms.optimizer import StepHealth, clip_global_norm, refresh_reference
-from rlhf_lightning.algorithms.records import StepSummary
-from rlhf_lightning.algorithms.update_plan import lockstep
+from rlhf_lightning.learner.optimizer import StepHealth, clip_global_norm, refresh_reference
+from rlhf_lightning.learner.plan import lockstep
+from rlhf_lightning.learner.records import StepSummary
 from rlhf_lightning.models.sharding import is_sharded
 from rlhf_lightning.runtime import rng
 from rlhf_lightning.runtime.distributed import all_sum, no_backward_sync, reduce_metrics, sync_gradients
+from rlhf_lightning.runtime.strategies import split_global
 from rlhf_lightning.runtime.workers import close_shared_pools
-from rlhf_lightning.strategies import split_global
 
 Metrics = dict[str, torch.Tensor]
 

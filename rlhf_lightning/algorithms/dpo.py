@@ -9,8 +9,8 @@ from rlhf_lightning.algorithms.common import Metrics
 from rlhf_lightning.algorithms.offline import OfflineModule
 from rlhf_lightning.algorithms.spec import AlgorithmSpec, register_algorithm
 from rlhf_lightning.config import DPOConfig
-from rlhf_lightning.envs.trajectory import TrajectoryBatch
 from rlhf_lightning.losses.preference import preference_loss, sequence_logps
+from rlhf_lightning.rollout.trajectory import TrajectoryBatch
 
 
 class DPOModule(OfflineModule):

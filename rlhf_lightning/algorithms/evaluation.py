@@ -16,9 +16,9 @@ import torch
 
 from rlhf_lightning.algorithms.common import ModuleMixin
 from rlhf_lightning.data.prompts import PAD_ROW
-from rlhf_lightning.envs.harness import RolloutResult, reward_value
 from rlhf_lightning.models.sharding import gathered
 from rlhf_lightning.rollout.engine import SamplingParams
+from rlhf_lightning.rollout.harness import RolloutResult, reward_value
 from rlhf_lightning.runtime import rng
 
 
@@ -105,7 +105,7 @@ class RolloutEvaluation(ModuleMixin):
     eval_greedy: bool
     eval_sampled: bool
     eval_num_samples: int = 1
-    eval_info_metrics: tuple[str, ...] = ()  # eval.info_metrics (set by run.py)
+    eval_info_metrics: tuple[str, ...] = ()  # eval.info_metrics (set by run/fit.py)
     last_eval_step: int
     _eval_outputs: dict[str, list[torch.Tensor]]  # per-example values of subclasses (each counted once)
     _eval_totals: dict[str, torch.Tensor] | None = None  # [sum, count] per metric, this rank
@@ -124,7 +124,7 @@ class RolloutEvaluation(ModuleMixin):
         """Episodes for ``rows`` with the current policy: the engine is synced first (a no-op when
         nothing changed), so no rollout ever samples stale weights. ``adapters`` and
         ``group_sizes`` (one per row): a population's members sampled side by side
-        (:meth:`RolloutHarness.rollout <rlhf_lightning.envs.harness.RolloutHarness.rollout>`)."""
+        (:meth:`RolloutHarness.rollout <rlhf_lightning.rollout.harness.RolloutHarness.rollout>`)."""
         if self.harness is None or self.engine is None:
             raise RuntimeError("rollouts need a harness and an engine")
         with gathered(self.policy):  # FSDP: ranks generate independently (free when nested)

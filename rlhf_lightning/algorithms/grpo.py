@@ -8,13 +8,13 @@ import torch
 from rlhf_lightning.algorithms.base import RolloutModule
 from rlhf_lightning.algorithms.checks import validate_grpo
 from rlhf_lightning.algorithms.common import Metrics
-from rlhf_lightning.algorithms.objective import PolicyTerm
 from rlhf_lightning.algorithms.spec import AlgorithmSpec, register_algorithm
 from rlhf_lightning.config import GRPOConfig
-from rlhf_lightning.envs.harness import RolloutResult
-from rlhf_lightning.envs.trajectory import TrajectoryBatch, collate
+from rlhf_lightning.learner.objective import PolicyTerm
 from rlhf_lightning.losses import get_advantage_estimator
 from rlhf_lightning.losses.advantages import ADVANTAGE_ESTIMATORS, informative_groups, postprocess_advantages
+from rlhf_lightning.rollout.harness import RolloutResult
+from rlhf_lightning.rollout.trajectory import TrajectoryBatch, collate
 from rlhf_lightning.runtime.distributed import gather_rows
 
 GROUP_ID_STRIDE = 1 << 20  # rank r's group ids are offset by r * stride when gathered

@@ -22,13 +22,13 @@ from typing import Any, cast
 import torch
 from peft import PeftModel
 
-from rlhf_lightning.algorithms.optimizer import (
+from rlhf_lightning.config.errors import ConfigError
+from rlhf_lightning.learner.optimizer import (
     StepHealth,
     adamw_with_schedule,
     refresh_reference,
     set_base_lrs,
 )
-from rlhf_lightning.errors import ConfigError
 from rlhf_lightning.models.adapters import copy_adapter
 
 

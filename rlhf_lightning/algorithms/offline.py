@@ -12,11 +12,11 @@ import torch
 
 from rlhf_lightning.algorithms.common import MetricAccumulator, Metrics
 from rlhf_lightning.algorithms.evaluation import RolloutEvaluation
-from rlhf_lightning.algorithms.optimizer import adamw_with_schedule
-from rlhf_lightning.envs.harness import RolloutHarness
-from rlhf_lightning.envs.trajectory import TrajectoryBatch
+from rlhf_lightning.learner.optimizer import adamw_with_schedule
 from rlhf_lightning.models.policy import Policy
 from rlhf_lightning.rollout.engine import RolloutEngine, SamplingParams
+from rlhf_lightning.rollout.harness import RolloutHarness
+from rlhf_lightning.rollout.trajectory import TrajectoryBatch
 
 log = logging.getLogger(__name__)
 

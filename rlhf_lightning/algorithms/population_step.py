@@ -22,8 +22,8 @@ import torch
 from rlhf_lightning.algorithms.common import Metrics
 from rlhf_lightning.algorithms.diagnostics import rollout_metrics
 from rlhf_lightning.algorithms.members import MemberAPI, MemberBank
-from rlhf_lightning.envs.harness import RolloutHarness, RolloutResult
-from rlhf_lightning.envs.trajectory import Trajectory, collate
+from rlhf_lightning.rollout.harness import RolloutHarness, RolloutResult
+from rlhf_lightning.rollout.trajectory import Trajectory, collate
 
 
 def split_by_adapter(

@@ -11,21 +11,21 @@ import torch.nn.functional as F
 from rlhf_lightning.algorithms.base import RolloutModule
 from rlhf_lightning.algorithms.checks import validate_ppo
 from rlhf_lightning.algorithms.common import Metrics
-from rlhf_lightning.algorithms.critic import (
+from rlhf_lightning.algorithms.diagnostics import per_turn_means
+from rlhf_lightning.algorithms.spec import AlgorithmSpec, register_algorithm
+from rlhf_lightning.config import PPOConfig
+from rlhf_lightning.learner.critic import (
     explained_variance,
     reduce_to_steps,
     step_index,
     step_rewards,
     token_sums_to_steps,
 )
-from rlhf_lightning.algorithms.diagnostics import per_turn_means
-from rlhf_lightning.algorithms.objective import CriticTerm, Objective, PolicyObjective, PolicyTerm
-from rlhf_lightning.algorithms.records import Advantages, CriticTargets, Scored
-from rlhf_lightning.algorithms.spec import AlgorithmSpec, register_algorithm
-from rlhf_lightning.config import PPOConfig
-from rlhf_lightning.envs.trajectory import TrajectoryBatch
+from rlhf_lightning.learner.objective import CriticTerm, Objective, PolicyObjective, PolicyTerm
+from rlhf_lightning.learner.records import Advantages, CriticTargets, Scored
 from rlhf_lightning.losses import get_advantage_estimator
 from rlhf_lightning.losses.advantages import postprocess_advantages
+from rlhf_lightning.rollout.trajectory import TrajectoryBatch
 from rlhf_lightning.runtime.distributed import clip_by_norm, gather_rows, grad_norm
 
 

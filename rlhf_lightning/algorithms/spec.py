@@ -1,4 +1,4 @@
-"""Algorithm families as registered records: what ``run.py`` and validation need to know.
+"""Algorithm families as registered records: what ``run/fit.py`` and validation need to know.
 
 A family is its LightningModule, its config schema and a few facts (online rollouts or an
 offline dataset, whether it needs a reference or a critic). ``algo.module`` names a registered

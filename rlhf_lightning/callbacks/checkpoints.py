@@ -54,7 +54,7 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
 class StepCheckpoint(ModelCheckpoint):
     """Lightning's ModelCheckpoint for ``step_<N>.ckpt`` (and ``last.ckpt`` beside each), without
     its save of ``last.ckpt`` at the end of training: the run writes that one itself, from the
-    state the next step starts from (``run.py`` at a normal end, the signal and guard stops at
+    state the next step starts from (``run/fit.py`` at a normal end, the signal and guard stops at
     theirs). Saved after the fit loop has wound up, it would overwrite a stop's checkpoint with a
     state that does not resume exactly."""
 

@@ -16,7 +16,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from rlhf_lightning.errors import ConfigError
+from rlhf_lightning.config.errors import ConfigError
 
 WHAT = "a Lightning Callback class, importable by its dotted path (e.g. lightning.pytorch.callbacks.LearningRateMonitor)"
 

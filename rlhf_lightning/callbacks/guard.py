@@ -23,8 +23,8 @@ from typing import Any
 
 import lightning as L
 
-from rlhf_lightning.algorithms.records import StepSummary
 from rlhf_lightning.callbacks.signals import stop_after_this_step
+from rlhf_lightning.learner.records import StepSummary
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import lightning as L
 
-from rlhf_lightning.errors import ConfigError
+from rlhf_lightning.config.errors import ConfigError
 from rlhf_lightning.plot import read_metrics
 
 

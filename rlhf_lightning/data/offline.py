@@ -1,6 +1,6 @@
 """Offline data for SFT and DPO: local files encoded into token-exact trajectories.
 
-An example becomes a :class:`~rlhf_lightning.envs.trajectory.Trajectory` exactly as the rollout
+An example becomes a :class:`~rlhf_lightning.rollout.trajectory.Trajectory` exactly as the rollout
 harness would have built it (chat-templated prompt, then each assistant reply's ids plus the
 end-of-turn token, then the next user turn as the template renders it), so supervised,
 preference and RL stages all train on the same token layout. Assistant tokens are the
@@ -16,11 +16,11 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from rlhf_lightning.data.files import read_rows, require_columns, split_rows
 from rlhf_lightning.data.prompts import eval_row_loader, per_rank_batch
 from rlhf_lightning.data.resumable import resumable_loader
-from rlhf_lightning.envs.harness import ChatFormatter
-from rlhf_lightning.envs.trajectory import Trajectory, TrajectoryBatch, collate
+from rlhf_lightning.envs.files import read_rows, require_columns, split_rows
+from rlhf_lightning.rollout.harness import ChatFormatter
+from rlhf_lightning.rollout.trajectory import Trajectory, TrajectoryBatch, collate
 
 log = logging.getLogger(__name__)
 

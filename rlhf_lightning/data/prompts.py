@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from rlhf_lightning.data.resumable import resumable_loader
-from rlhf_lightning.strategies import split_global
+from rlhf_lightning.runtime.strategies import split_global
 
 PAD_ROW = -1  # an eval slot without a row: see rank_eval_rows
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from rlhf_lightning.config.errors import ConfigError
 from rlhf_lightning.envs.dataset_answers import (
     ANSWER_EXTRACTORS,
     SCORERS,
@@ -50,7 +51,6 @@ from rlhf_lightning.envs.dataset_splits import (
     prepared_splits,
     row_problem,
 )
-from rlhf_lightning.errors import ConfigError
 
 __all__ = [
     "ANSWER_EXTRACTORS",

@@ -9,9 +9,9 @@ from collections.abc import Callable
 
 from hydra.utils import get_object
 
+from rlhf_lightning.config.errors import ConfigError
 from rlhf_lightning.envs.arithmetic import final_integer
 from rlhf_lightning.envs.math import verify
-from rlhf_lightning.errors import ConfigError
 
 
 def after_hashes(answer: str) -> str:

@@ -10,9 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rlhf_lightning.config.errors import ConfigError
 from rlhf_lightning.envs.dataset_answers import get_answer_extractor, is_integer
 from rlhf_lightning.envs.dataset_files import Row, Source
-from rlhf_lightning.errors import ConfigError
 
 AUTO = "auto"  # eval_split's default: "test", or a hold-out for a single local file
 HOLDOUT_KEY = b"rlhf_lightning.holdout.v1"  # the held-out rows' fixed seed (same every run and rank)

@@ -9,8 +9,8 @@ from typing import Any
 
 from hydra.utils import get_object
 
+from rlhf_lightning.config.errors import ConfigError
 from rlhf_lightning.envs.base import TextEnv, num_rows
-from rlhf_lightning.errors import ConfigError
 
 TEXT_ENV_METHODS = "reset(seed=None, *, row_index=None, evaluation=False) and step(action)"
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from rlhf_lightning.errors import ConfigError
+from rlhf_lightning.config.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

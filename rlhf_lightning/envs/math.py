@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_lightning.config import ASSETS
-from rlhf_lightning.data.files import read_rows, require_columns, split_rows
+from rlhf_lightning.envs.files import read_rows, require_columns, split_rows
 
 SAMPLE_FILE = ASSETS / "math_sample.jsonl"
 

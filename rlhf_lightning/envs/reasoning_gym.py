@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from rlhf_lightning.errors import ConfigError
+from rlhf_lightning.config.errors import ConfigError
 
 RG_EXTRA = "pip install 'rlhf_lightning[reasoning_gym]'"
 MAX_SKIPS = 64  # items in a row that fail to generate before reset gives up

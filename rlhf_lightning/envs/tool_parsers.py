@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlhf_lightning.registry import Registry
+from rlhf_lightning.runtime.registry import Registry
 
 
 @dataclass(frozen=True)

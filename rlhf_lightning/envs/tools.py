@@ -2,7 +2,7 @@
 
 Tools are plain typed Python functions with Google-style docstrings; their JSON schemas come from
 ``transformers.utils.get_json_schema`` and reach the chat template as ``apply_chat_template(
-tools=...)`` (``ToolEnv.tool_schemas``, read by ``envs.chat.env_tools``). A named parser
+tools=...)`` (``ToolEnv.tool_schemas``, read by ``rollout.chat.env_tools``). A named parser
 (``envs.tool_parsers``) reads the calls out of each reply; each call runs with a time limit and
 its result goes back as a ``{"role": "tool", ...}`` message, which the chat template renders in
 its own tool-role format, so trajectories stay token-exact at assistant -> tool -> assistant
@@ -18,9 +18,9 @@ import pickle
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from rlhf_lightning.config.errors import ConfigError
 from rlhf_lightning.envs.base import Message, Observation
 from rlhf_lightning.envs.tool_parsers import TOOL_PARSERS, MalformedCall, ToolCall, get_tool_parser
-from rlhf_lightning.errors import ConfigError
 from rlhf_lightning.runtime.workers import Outcome, call_inline, in_worker, shared_pool
 
 LIMIT_NOTE = "(that was the last tool call allowed in this episode: reply with your final answer)"

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
-from rlhf_lightning.errors import ConfigError
+from rlhf_lightning.config.errors import ConfigError
 from rlhf_lightning.export.files import check_out, staged, write_export
 from rlhf_lightning.export.merge import merged_model
 from rlhf_lightning.export.source import Source, fail, one_line, remote_code_hint, resolve

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from rlhf_lightning.registry import Registry
+from rlhf_lightning.runtime.registry import Registry
 
 AdvantageEstimator = Callable[..., Any]  # outcome estimators return (N,); gae returns (advantages, returns)
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")

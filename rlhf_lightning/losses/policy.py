@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from rlhf_lightning.losses.masked import broadcast_advantages, masked_max, masked_mean
-from rlhf_lightning.registry import Registry
+from rlhf_lightning.runtime.registry import Registry
 
 PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")

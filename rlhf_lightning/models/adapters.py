@@ -18,7 +18,7 @@ import torch
 from peft import LoraConfig, PeftModel
 from safetensors.torch import load_file, save_file
 
-from rlhf_lightning.errors import ConfigError
+from rlhf_lightning.config.errors import ConfigError
 
 ACTOR, REFERENCE, CRITIC = "actor", "reference", "critic"
 VALUE_HEAD_FILE = "value_head.safetensors"

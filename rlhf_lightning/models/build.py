@@ -12,7 +12,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from rlhf_lightning.errors import ConfigError, is_hub_id
+from rlhf_lightning.config.errors import ConfigError, is_hub_id
 from rlhf_lightning.models.adapters import (
     ACTOR,
     CRITIC,

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from rlhf_lightning.errors import ConfigError
+from rlhf_lightning.config.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

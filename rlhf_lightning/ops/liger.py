@@ -2,7 +2,7 @@
 
 Liger (``pip install 'rlhf_lightning[liger]'``) computes the lm-head logits, the objective and
 its gradients chunk by chunk in one fused pass. It covers a subset of our objectives;
-:func:`~rlhf_lightning.algorithms.liger_path.liger_unsupported` names what it does not cover, and the module falls back to our
+:func:`~rlhf_lightning.learner.liger_path.liger_unsupported` names what it does not cover, and the module falls back to our
 chunked op then. Aggregation is mapped onto Liger's ``loss_type`` and rescaled so that the
 loss is normalised over the whole accumulation window exactly like :func:`aggregate`.
 """

@@ -30,8 +30,9 @@ from typing import Any
 import lightning as L
 import torch
 
-from rlhf_lightning.algorithms.records import StepSummary
-from rlhf_lightning.population.generations import FITNESS, LINEAGE_FIELDS, Generations
+from rlhf_lightning.learner.records import StepSummary
+from rlhf_lightning.population.evolution import FITNESS
+from rlhf_lightning.population.generations import LINEAGE_FIELDS, Generations
 from rlhf_lightning.population.members import KEEP_SNAPSHOTS, Member
 from rlhf_lightning.population.resident import MEMBER_COUNTERS, ResidentMember
 from rlhf_lightning.runtime.schedule import warmup_cosine

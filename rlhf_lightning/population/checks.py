@@ -15,10 +15,10 @@ from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
-from rlhf_lightning.errors import ConfigError, check
-from rlhf_lightning.population.evolution import DEFAULT_SPACE, INTEGER, MUTABLE
+from rlhf_lightning.config.errors import ConfigError, check
+from rlhf_lightning.population.evolution import DEFAULT_SPACE, FITNESS, INTEGER, MUTABLE
 
-# What each hyper-parameter must be, as its start-up check in validation.py / algorithms/checks.py.
+# What each hyper-parameter must be, as its start-up check in run/validation.py / algorithms/checks.py.
 DOMAINS = {
     "lr": "a learning rate > 0",
     "clip_low": "an offset in [0, 1) (the ratio's lower bound is 1 - clip_low)",
@@ -76,7 +76,7 @@ def value_problem(name: str, value: float, algo: Mapping[str, Any], world_size: 
         if problem is not None:
             return problem
     if algo.get("use_liger_loss"):
-        from rlhf_lightning.algorithms.liger_path import liger_unsupported
+        from rlhf_lightning.learner.liger_path import liger_unsupported
 
         reason = liger_unsupported(SimpleNamespace(**{**algo, name: value}))
         if reason is not None:
@@ -185,8 +185,6 @@ def configured_world_size(cfg: DictConfig) -> int:
 
 def validate_population(p: DictConfig, spec: Any, cfg: DictConfig) -> None:
     """``population.*`` at start-up (``cfg``: the whole composed config)."""
-    from rlhf_lightning.population.generations import FITNESS
-
     check(p.size >= 1, "population.size", p.size, "at least 1 (1: no population)")
     if p.size == 1:
         return

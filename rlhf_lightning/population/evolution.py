@@ -14,6 +14,7 @@ from dataclasses import dataclass
 # Hyper-parameters a member may carry: each is applied to the algorithm's config (``algo.<name>``)
 # or, for ``temperature``, to the sampling parameters.
 MUTABLE = ("lr", "clip_low", "clip_high", "beta", "temperature", "group_size", "entropy_coef")
+FITNESS = ("accuracy_sampled", "accuracy_greedy", "return_sampled", "return_greedy")  # population.fitness
 INTEGER = ("group_size",)
 DEFAULT_SPACE = {"lr": {"low": 1e-6, "high": 1e-2, "scale": 2.0}}  # population.mutate=null
 

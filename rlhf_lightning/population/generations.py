@@ -19,12 +19,11 @@ import torch
 
 from rlhf_lightning.algorithms.evaluation import episode_success
 from rlhf_lightning.population.checks import check_member, validate_space
-from rlhf_lightning.population.evolution import MUTABLE, MutationRange, mutate, tournament_select
+from rlhf_lightning.population.evolution import FITNESS, MUTABLE, MutationRange, mutate, tournament_select
 from rlhf_lightning.population.members import KEEP_SNAPSHOTS, Member, write_snapshot
 from rlhf_lightning.runtime import rng as rng_state
 
 LINEAGE_FIELDS = ["step", "slot", "id", "parent", "event", "mutation", "parent_fitness", *MUTABLE]
-FITNESS = ("accuracy_sampled", "accuracy_greedy", "return_sampled", "return_greedy")
 
 
 def check_settings(

@@ -14,7 +14,7 @@ from typing import Any, cast
 
 import torch
 
-from rlhf_lightning.algorithms.optimizer import set_base_lrs
+from rlhf_lightning.learner.optimizer import set_base_lrs
 from rlhf_lightning.population.members import Member, copy_into
 
 MEMBER_COUNTERS = ("learn_steps",)  # module attributes each member carries (PPO's critic warm-up)

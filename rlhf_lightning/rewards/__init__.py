@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import torch
 from hydra.utils import get_object
 
-from rlhf_lightning.errors import ConfigError
+from rlhf_lightning.config.errors import ConfigError
 
 SOURCES = ("env", "function", "model")
 NORMALIZE = ("none", "batch")

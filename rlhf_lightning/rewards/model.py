@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from rlhf_lightning.errors import ConfigError, check_model_path
+from rlhf_lightning.config.errors import ConfigError, check_model_path
 from rlhf_lightning.rewards import Episode
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -14,7 +14,7 @@ import lightning as L
 import torch
 from safetensors.torch import load_file
 
-from rlhf_lightning.algorithms.async_producer import dump
+from rlhf_lightning.rollout.async_producer import dump
 
 
 def digest(tensors: dict[str, torch.Tensor]) -> str:

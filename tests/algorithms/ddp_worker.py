@@ -26,11 +26,11 @@ def run_spec(spec: dict) -> None:
     from lightning.pytorch.strategies import DDPStrategy
     from torch.utils.data import DataLoader, Subset
 
-    from rlhf_lightning.envs.harness import RolloutResult
-    from rlhf_lightning.envs.trajectory import collate
+    from rlhf_lightning.rollout.harness import RolloutResult
+    from rlhf_lightning.rollout.trajectory import collate
     from rlhf_lightning.run import build
     from rlhf_lightning.runtime.distributed import is_dtensor
-    from rlhf_lightning.strategies import fsdp2_strategy
+    from rlhf_lightning.runtime.strategies import fsdp2_strategy
     from tests.conftest import compose_config
 
     world = spec["devices"]

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from rlhf_lightning.algorithms.async_producer import Produced
-from rlhf_lightning.algorithms.async_rollout import (
+from rlhf_lightning.rollout.async_producer import Produced
+from rlhf_lightning.rollout.async_rollout import (
     AsyncRollouts,
     AsyncSettings,
     BatchSource,

@@ -22,8 +22,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf_lightning.algorithms import async_producer
-from rlhf_lightning.algorithms.async_producer import (
+from rlhf_lightning.rollout import async_producer
+from rlhf_lightning.rollout.async_producer import (
     Placement,
     Produced,
     Producer,
@@ -33,7 +33,7 @@ from rlhf_lightning.algorithms.async_producer import (
     call_seed,
     planned,
 )
-from rlhf_lightning.algorithms.async_rollout import (
+from rlhf_lightning.rollout.async_rollout import (
     AsyncRollouts,
     AsyncSettings,
     batch_seed,
@@ -41,9 +41,9 @@ from rlhf_lightning.algorithms.async_rollout import (
     placement,
     turn_versions,
 )
-from rlhf_lightning.envs.harness import RolloutResult
-from rlhf_lightning.envs.trajectory import Trajectory, collate
 from rlhf_lightning.rollout.engine import Completion, EngineBase, SamplingParams
+from rlhf_lightning.rollout.harness import RolloutResult
+from rlhf_lightning.rollout.trajectory import Trajectory, collate
 from rlhf_lightning.runtime import rng
 from rlhf_lightning.runtime.channel import Reader, Writer
 

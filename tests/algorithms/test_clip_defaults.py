@@ -8,9 +8,9 @@ import dataclasses
 
 import pytest
 
-from rlhf_lightning.errors import ConfigError
+from rlhf_lightning.config.errors import ConfigError
 from rlhf_lightning.losses.policy import CISPOParams, ClipParams, GSPOParams
-from rlhf_lightning.validation import validate
+from rlhf_lightning.run.validation import validate
 from tests.conftest import FAST, compose_config
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_lightning.algorithms.critic import explained_variance, reduce_to_steps, step_index, step_rewards
+from rlhf_lightning.learner.critic import explained_variance, reduce_to_steps, step_index, step_rewards
 
 # Two trajectories over 7 positions; row 0 has turns 0 (2 tokens) and 1 (3 tokens); row 1 one turn.
 TURNS = torch.tensor([[-1, 0, 0, -1, 1, 1, 1], [-1, -1, 0, 0, 0, -1, -1]])

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from rlhf_lightning.algorithms.microbatch import split_by_tokens, split_rows
+from rlhf_lightning.learner.microbatch import split_by_tokens, split_rows
 
 
 def as_lists(chunks: list[torch.Tensor]) -> list[list[int]]:
@@ -119,8 +119,8 @@ def test_a_token_budget_gives_the_fixed_size_update(tmp_path, extra):
     ],
 )
 def test_bad_token_budgets_are_named(overrides, field):
-    from rlhf_lightning.errors import ConfigError
-    from rlhf_lightning.validation import validate
+    from rlhf_lightning.config.errors import ConfigError
+    from rlhf_lightning.run.validation import validate
     from tests.conftest import compose_config
 
     with pytest.raises(ConfigError) as err:

@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_lightning.algorithms.critic import reduce_to_steps, step_index
 from rlhf_lightning.algorithms.ppo import PPOModule
 from rlhf_lightning.config import PPOConfig
-from rlhf_lightning.envs.trajectory import Trajectory, collate
+from rlhf_lightning.learner.critic import reduce_to_steps, step_index
 from rlhf_lightning.losses.advantages import gae_advantages
 from rlhf_lightning.rollout.engine import SamplingParams
+from rlhf_lightning.rollout.trajectory import Trajectory, collate
 
 
 class StubCritic(torch.nn.Module):
@@ -105,8 +105,8 @@ def test_a_cut_reply_the_env_scored_is_terminal(tiny_tokenizer, reward):
     """A reply cut at max_new_tokens that the env still scored and ended (terminated=True): its
     reward is the outcome, so the target is r, not r + V(s_T) (a cut reply scored 1 would get a
     target above the maximum return; a cut chain of thought scored 0 would lose its penalty)."""
-    from rlhf_lightning.envs.harness import ChatFormatter, RolloutHarness
     from rlhf_lightning.rollout.engine import Completion
+    from rlhf_lightning.rollout.harness import ChatFormatter, RolloutHarness
 
     class OneReply:
         def generate(self, prompts, params):

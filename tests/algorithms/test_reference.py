@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_lightning.errors import ConfigError
-from rlhf_lightning.validation import validate
+from rlhf_lightning.config.errors import ConfigError
+from rlhf_lightning.run.validation import validate
 from tests.conftest import FAST, compose_config, fit_steps
 
 QUICK = [o for o in FAST if not o.startswith("algo.")]

@@ -9,8 +9,8 @@ import torch
 
 from rlhf_lightning.algorithms import AlgorithmSpec, RolloutModule, register_algorithm
 from rlhf_lightning.algorithms.checks import validate_rollout_algo
-from rlhf_lightning.algorithms.objective import PolicyTerm
 from rlhf_lightning.config import RolloutAlgoConfig
+from rlhf_lightning.learner.objective import PolicyTerm
 
 
 @dataclass

@@ -9,8 +9,8 @@ import pytest
 from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor
 
 from rlhf_lightning.callbacks.configured import configured_callbacks
-from rlhf_lightning.errors import ConfigError
-from rlhf_lightning.validation import validate
+from rlhf_lightning.config.errors import ConfigError
+from rlhf_lightning.run.validation import validate
 from tests.conftest import FAST, compose_config
 
 CALLS: list[str] = []

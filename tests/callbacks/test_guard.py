@@ -3,8 +3,8 @@ one place that maps logged metric names to what the guard and the population act
 
 from __future__ import annotations
 
-from rlhf_lightning.algorithms.records import StepSummary
 from rlhf_lightning.callbacks.guard import collapse_signals
+from rlhf_lightning.learner.records import StepSummary
 
 
 def test_the_summary_reads_the_logged_names_and_leaves_missing_ones_none():

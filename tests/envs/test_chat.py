@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlhf_lightning.envs.chat import ChatFormatter
+from rlhf_lightning.rollout.chat import ChatFormatter
 
 # Like Qwen3's: earlier assistant turns lose their reasoning once another turn follows.
 STRIPPING = (
@@ -27,7 +27,7 @@ def test_a_template_that_strips_earlier_reasoning_is_refused(tiny_tokenizer, mon
 
 
 def test_a_multi_turn_run_with_such_a_template_stops_at_start_up(fast_cfg, tmp_path):
-    from rlhf_lightning.errors import ConfigError
+    from rlhf_lightning.config.errors import ConfigError
     from rlhf_lightning.run import build
 
     cfg = fast_cfg("env=guess_number", f"model.chat_template={STRIPPING!r}".replace("\n", "\\n"))
@@ -49,8 +49,8 @@ def test_tools_reach_the_template(tiny_tokenizer, monkeypatch):
 
 
 def test_a_template_that_ignores_tools_is_refused(tiny_tokenizer):
-    from rlhf_lightning.envs.chat import check_template
-    from rlhf_lightning.errors import ConfigError
+    from rlhf_lightning.config.errors import ConfigError
+    from rlhf_lightning.rollout.chat import check_template
 
     tools = [{"type": "function", "function": {"name": "calculator", "parameters": {}}}]
     with pytest.raises(
@@ -61,7 +61,7 @@ def test_a_template_that_ignores_tools_is_refused(tiny_tokenizer):
 
 def test_chat_template_from_a_jinja_file(tmp_path):
     from rlhf_lightning.config import ASSETS
-    from rlhf_lightning.errors import ConfigError
+    from rlhf_lightning.config.errors import ConfigError
     from rlhf_lightning.models.build import read_chat_template
 
     path = ASSETS / "chat_templates" / "tools.jinja"

@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from rlhf_lightning.config.errors import ConfigError
 from rlhf_lightning.envs.dataset import (
     DatasetEnv,
     after_hashes,
@@ -20,9 +21,8 @@ from rlhf_lightning.envs.dataset import (
     load_rows,
     prepared_splits,
 )
-from rlhf_lightning.errors import ConfigError
 from rlhf_lightning.run import run
-from rlhf_lightning.validation import validate
+from rlhf_lightning.run.validation import validate
 from tests.conftest import FAST, compose_config
 
 

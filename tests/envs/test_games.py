@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from rlhf_lightning.data.files import read_rows
 from rlhf_lightning.envs.base import TextEnv
+from rlhf_lightning.envs.files import read_rows
 from rlhf_lightning.envs.guess_number import GuessNumberEnv
 from rlhf_lightning.envs.math import MathEnv, verify
 from rlhf_lightning.envs.sudoku import SudokuEnv, is_valid_grid, solution_grid
@@ -94,7 +94,7 @@ def test_math_env_reads_files_and_verifies_equivalent_answers(tmp_path):
 
 
 def test_malformed_jsonl_line_names_file_and_line(tmp_path):
-    from rlhf_lightning.errors import ConfigError
+    from rlhf_lightning.config.errors import ConfigError
 
     path = tmp_path / "p.jsonl"
     # U+2028 inside a JSON string is valid JSON and must not split the line

@@ -18,12 +18,12 @@ import gem
 from gem.wrappers.observation_wrapper import ObservationWrapper
 
 from rlhf_lightning.algorithms.evaluation import episode_success
+from rlhf_lightning.config.errors import ConfigError
 from rlhf_lightning.envs.base import TextEnv
 from rlhf_lightning.envs.factory import env_factory
 from rlhf_lightning.envs.gem import GemEnv, gem_seed
-from rlhf_lightning.envs.harness import ChatFormatter, RolloutHarness
-from rlhf_lightning.errors import ConfigError
 from rlhf_lightning.rollout.engine import Completion, SamplingParams
+from rlhf_lightning.rollout.harness import ChatFormatter, RolloutHarness
 from tests.conftest import fit_recording
 
 SUDOKU, GUESS, MINES, G2048 = (

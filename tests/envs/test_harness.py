@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from rlhf_lightning.envs.arithmetic import ArithmeticEnv
-from rlhf_lightning.envs.harness import ChatFormatter, RolloutHarness
 from rlhf_lightning.rollout.engine import Completion, SamplingParams
+from rlhf_lightning.rollout.harness import ChatFormatter, RolloutHarness
 
 
 class ScriptedEngine:

@@ -10,11 +10,11 @@ import torch
 
 from rlhf_lightning.envs.arithmetic import ArithmeticEnv
 from rlhf_lightning.envs.guess_number import GuessNumberEnv
-from rlhf_lightning.envs.harness import ChatFormatter, RolloutHarness
 from rlhf_lightning.envs.math import MathEnv
 from rlhf_lightning.envs.sudoku import SudokuEnv
 from rlhf_lightning.envs.tool_calc import ToolCalcEnv
 from rlhf_lightning.rollout.engine import Completion, SamplingParams
+from rlhf_lightning.rollout.harness import ChatFormatter, RolloutHarness
 
 REPLIES = [
     "7",

@@ -15,10 +15,10 @@ import reasoning_gym as rg
 from reasoning_gym.utils import SYSTEM_PROMPTS, extract_answer
 
 from rlhf_lightning.algorithms.evaluation import episode_success
+from rlhf_lightning.config.errors import ConfigError
 from rlhf_lightning.envs.base import TextEnv
 from rlhf_lightning.envs.factory import env_factory
 from rlhf_lightning.envs.reasoning_gym import ReasoningGymEnv
-from rlhf_lightning.errors import ConfigError
 from tests.conftest import fit_recording
 
 TARGET = "rlhf_lightning.envs.reasoning_gym.ReasoningGymEnv"

@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from rlhf_lightning.envs.chat import ChatFormatter
-from rlhf_lightning.envs.harness import RolloutHarness
-from rlhf_lightning.envs.stepping import EnvStepper
+from rlhf_lightning.rollout.chat import ChatFormatter
 from rlhf_lightning.rollout.engine import SamplingParams
+from rlhf_lightning.rollout.harness import RolloutHarness
+from rlhf_lightning.rollout.stepping import EnvStepper
 from tests.envs.slow_things import Boom, Dies, Hangs, SlowGuess
 from tests.envs.test_harness import ScriptedEngine
 from tests.runtime.test_workers import children_of_this_process

@@ -83,7 +83,7 @@ def test_env_tools_composes_and_validates(fast_cfg):
     from omegaconf import OmegaConf
 
     from rlhf_lightning.envs.factory import env_factory
-    from rlhf_lightning.validation import validate
+    from rlhf_lightning.run.validation import validate
 
     cfg = fast_cfg("env=tools", "model=tiny_chat", "rollout.tool_parser=pythonic")
     validate(cfg)

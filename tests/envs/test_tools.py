@@ -11,13 +11,13 @@ import time
 import pytest
 from transformers.utils import get_json_schema
 
-from rlhf_lightning.envs.chat import ChatFormatter, check_template, env_tools
-from rlhf_lightning.envs.harness import RolloutHarness
+from rlhf_lightning.config.errors import ConfigError
 from rlhf_lightning.envs.tool_parsers import ToolCall, parse_hermes
 from rlhf_lightning.envs.tool_tasks import TABLE, AddLookupToolEnv, add, lookup
 from rlhf_lightning.envs.tools import LIMIT_NOTE, ToolEnv
-from rlhf_lightning.errors import ConfigError
+from rlhf_lightning.rollout.chat import ChatFormatter, check_template, env_tools
 from rlhf_lightning.rollout.engine import Completion, SamplingParams
+from rlhf_lightning.rollout.harness import RolloutHarness
 from tests.envs.slow_things import boom, sleepy, spin
 from tests.envs.tool_helpers import call, tools_tokenizer
 
@@ -52,7 +52,7 @@ class TurnEngine:
 def play(tok, factory, replies: list[str], system_prompt: str | None = None):
     """One episode of row 0 with scripted replies; returns (trajectory, formatter)."""
     formatter = ChatFormatter(tok, system_prompt, tools=env_tools(factory))
-    check_template(formatter, multi_turn=True)  # what run.py does for multi-turn runs with tools
+    check_template(formatter, multi_turn=True)  # what run/fit.py does for multi-turn runs with tools
     engine = TurnEngine([tok(r, add_special_tokens=False).input_ids + [tok.eos_token_id] for r in replies])
     harness = RolloutHarness(factory, tok, formatter, max_turns=len(replies) + 1, max_model_len=4096)
     result = harness.rollout(engine, [0], SamplingParams(max_new_tokens=512))

@@ -10,9 +10,9 @@ import textwrap
 import pytest
 import torch
 
-from rlhf_lightning.errors import ConfigError
+from rlhf_lightning.config.errors import ConfigError
 from rlhf_lightning.losses.policy import POLICY_LOSSES
-from rlhf_lightning.validation import validate
+from rlhf_lightning.run.validation import validate
 from tests.conftest import FAST, compose_config, fit_steps
 
 MODULE = "my_losses_for_test"

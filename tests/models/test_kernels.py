@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 import torch
 
-from rlhf_lightning.errors import ConfigError
+from rlhf_lightning.config.errors import ConfigError
 from rlhf_lightning.models import kernels
 from rlhf_lightning.models.kernels import (
     LIGER_PATCHES,
@@ -16,7 +16,7 @@ from rlhf_lightning.models.kernels import (
     quantization_config,
     quantized_load_kwargs,
 )
-from rlhf_lightning.validation import validate
+from rlhf_lightning.run.validation import validate
 from tests.conftest import FAST, compose_config
 
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlhf_lightning.algorithms.liger_path import liger_unsupported
+from rlhf_lightning.learner.liger_path import liger_unsupported
 from rlhf_lightning.losses import aggregate, get_policy_loss, kl
 from rlhf_lightning.ops import chunked_logprobs
 from rlhf_lightning.ops.liger import LigerLoss, liger_available, liger_policy_loss, pack_actions

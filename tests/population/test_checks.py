@@ -10,13 +10,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from rlhf_lightning.errors import ConfigError
-from rlhf_lightning.factories import population_callback
+from rlhf_lightning.config.errors import ConfigError
 from rlhf_lightning.population.callback import Population
 from rlhf_lightning.population.checks import check_member, side_by_side, value_problem
 from rlhf_lightning.population.evolution import MutationRange, mutate
 from rlhf_lightning.population.side_by_side import SideBySidePopulation
-from rlhf_lightning.validation import validate
+from rlhf_lightning.run.factories import population_callback
+from rlhf_lightning.run.validation import validate
 from tests.conftest import FAST, compose_config
 
 POP = [*FAST, "population.size=2", "population.evolve_every=2"]  # prompts_per_step=4, group_size=4

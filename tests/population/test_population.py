@@ -9,10 +9,10 @@ import lightning as L
 import pytest
 import torch
 
-from rlhf_lightning.errors import ConfigError
+from rlhf_lightning.config.errors import ConfigError
 from rlhf_lightning.population.callback import Member, Population
 from rlhf_lightning.run import run
-from rlhf_lightning.validation import validate
+from rlhf_lightning.run.validation import validate
 from tests.conftest import FAST, compose_config
 
 POP = [

@@ -13,11 +13,11 @@ import torch
 
 from rlhf_lightning.algorithms.base import RolloutModule
 from rlhf_lightning.algorithms.population_step import PopulationStep
-from rlhf_lightning.errors import ConfigError
+from rlhf_lightning.config.errors import ConfigError
 from rlhf_lightning.population.members import Member
 from rlhf_lightning.population.side_by_side import SideBySidePopulation
 from rlhf_lightning.run import run
-from rlhf_lightning.validation import validate
+from rlhf_lightning.run.validation import validate
 from tests.conftest import FAST, compose_config
 
 # Two members side by side, evolved every population step from mutated starts (test_resume.py too).

@@ -12,10 +12,10 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import GPT2Config, GPT2ForSequenceClassification, PreTrainedTokenizerFast
 
-from rlhf_lightning.envs.trajectory import Trajectory
-from rlhf_lightning.errors import ConfigError
+from rlhf_lightning.config.errors import ConfigError
 from rlhf_lightning.rewards import CombinedReward, Episode, FunctionReward, build_reward
 from rlhf_lightning.rewards.model import ModelReward
+from rlhf_lightning.rollout.trajectory import Trajectory
 from rlhf_lightning.run import run
 from tests.conftest import FAST, compose_config
 
@@ -241,7 +241,7 @@ def test_train_with_a_reward_model_of_another_architecture_and_tokenizer(tmp_pat
 
 
 def test_rewards_are_refused_for_offline_algorithms(tmp_path):
-    from rlhf_lightning.validation import validate
+    from rlhf_lightning.run.validation import validate
 
     cfg = compose_config(["algo=sft", "reward=function", "reward.fn=math.sqrt"], output_dir=tmp_path)
     with pytest.raises(ConfigError, match=r"reward.sources.*sft"):
@@ -258,7 +258,7 @@ def test_function_and_model_presets_without_their_required_value_are_named(tmp_p
 
 
 def test_validation_names_the_missing_reward_value(tmp_path):
-    from rlhf_lightning.validation import validate
+    from rlhf_lightning.run.validation import validate
 
     with pytest.raises(ConfigError, match=r"reward\.fn=None.*reward\.fn=my_pkg"):
         validate(compose_config(["reward=function"], output_dir=tmp_path))

@@ -3,10 +3,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_lightning.envs.trajectory import Trajectory, collate
 from rlhf_lightning.models.build import build_policy
 from rlhf_lightning.rollout.engine import SamplingParams
 from rlhf_lightning.rollout.hf import HFEngine
+from rlhf_lightning.rollout.trajectory import Trajectory, collate
 
 
 def prompts(tokenizer, n=3):

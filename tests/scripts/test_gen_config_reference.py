@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_lightning import algo_config as algo_config_module
-from rlhf_lightning import config as config_module
+from rlhf_lightning.config import algo as algo_config_module
+from rlhf_lightning.config import schemas as config_module
 from tests.conftest import ROOT
 
 spec = importlib.util.spec_from_file_location(
@@ -29,7 +29,7 @@ CELL_SPLIT = re.compile(r"(?<!\\)\|")
 
 
 def schema_classes() -> dict[str, type]:
-    """Every dataclass defined in rlhf_lightning/config.py and algo_config.py, found by introspection."""
+    """Every dataclass defined in rlhf_lightning/config/schemas.py and config/algo.py, found by introspection."""
     return {
         name: obj
         for name, obj in inspect.getmembers(config_module, inspect.isclass)
@@ -104,7 +104,7 @@ def test_field_comments_are_read_from_the_source(page):
     found = tables(page)
     source = [
         line
-        for name in ("config.py", "algo_config.py")
+        for name in ("config/schemas.py", "config/algo.py")
         for line in (ROOT / "rlhf_lightning" / name).read_text().splitlines()
     ]
     # A trailing comment: the text after '#' on the kl_mode line, read here independently.

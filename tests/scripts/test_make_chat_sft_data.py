@@ -10,13 +10,13 @@ import sys
 
 import pytest
 
-from rlhf_lightning.data.files import read_rows
 from rlhf_lightning.data.offline import SFTDataset, encode_conversation
 from rlhf_lightning.envs.arithmetic import ArithmeticEnv
+from rlhf_lightning.envs.files import read_rows
 from rlhf_lightning.envs.guess_number import GuessNumberEnv
-from rlhf_lightning.envs.harness import ChatFormatter, RolloutHarness
 from rlhf_lightning.envs.tool_calc import ToolCalcEnv
 from rlhf_lightning.rollout.engine import Completion, SamplingParams
+from rlhf_lightning.rollout.harness import ChatFormatter, RolloutHarness
 from tests.conftest import ROOT
 
 spec = importlib.util.spec_from_file_location(

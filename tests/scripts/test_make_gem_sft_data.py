@@ -11,11 +11,11 @@ import pytest
 
 pytest.importorskip("gem", reason="env=gem needs the gem extra: pip install 'rlhf_lightning[gem]'")
 
-from rlhf_lightning.data.files import read_rows
 from rlhf_lightning.data.offline import SFTDataset, encode_conversation
+from rlhf_lightning.envs.files import read_rows
 from rlhf_lightning.envs.gem import GemEnv
-from rlhf_lightning.envs.harness import ChatFormatter, RolloutHarness
 from rlhf_lightning.rollout.engine import Completion, SamplingParams
+from rlhf_lightning.rollout.harness import ChatFormatter, RolloutHarness
 from tests.conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))

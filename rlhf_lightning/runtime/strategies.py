@@ -19,7 +19,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
 
-from rlhf_lightning.errors import ConfigError
+from rlhf_lightning.config.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@
 up the loss lives here once: the policy term (a registered objective with its bound
 hyper-parameters), corrections (truncated importance weights; masks arrive in ``mask``), the
 KL term, an entropy bonus and a critic term. The Liger kernel is a second implementation of the
-same interface (:mod:`rlhf_lightning.algorithms.liger_path`), tested equal to this one.
+same interface (:mod:`rlhf_lightning.learner.liger_path`), tested equal to this one.
 
 Notation:
     b: trajectories in the micro-batch, T: its token positions (L-1), S: steps (turns/tokens).
@@ -19,16 +19,15 @@ from typing import Any, Protocol
 
 import torch
 
-from rlhf_lightning.algorithms.common import Metrics
-from rlhf_lightning.algorithms.critic import reduce_to_steps
-from rlhf_lightning.algorithms.records import CriticTargets, Scored
-from rlhf_lightning.envs.trajectory import TrajectoryBatch
+from rlhf_lightning.learner.critic import reduce_to_steps
+from rlhf_lightning.learner.records import CriticTargets, Metrics, Scored
 from rlhf_lightning.losses import aggregate, get_policy_loss, kl
 from rlhf_lightning.losses.corrections import truncated_importance_weights
 from rlhf_lightning.losses.masked import masked_mean
 from rlhf_lightning.losses.policy import POLICY_LOSSES, loss_kwargs
 from rlhf_lightning.losses.value import clipped_value_loss
 from rlhf_lightning.models.policy import Policy
+from rlhf_lightning.rollout.trajectory import TrajectoryBatch
 
 Backward = Callable[[torch.Tensor], None]
 

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any, cast
 
-from rlhf_lightning.errors import ConfigError
+from rlhf_lightning.config.errors import ConfigError
 
 
 def read_rows(path: str | Path, field: str = "data path") -> list[dict[str, Any]]:

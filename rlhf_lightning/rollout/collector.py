@@ -2,7 +2,7 @@
 
 Synchronous (``rollout.mode=sync``): the step's episodes are generated now, by the module's
 engine, with the current weights. Asynchronous: they come from the producer process
-(:class:`~rlhf_lightning.algorithms.async_rollout.AsyncRollouts`), generated ahead with the
+(:class:`~rlhf_lightning.rollout.async_rollout.AsyncRollouts`), generated ahead with the
 versions its staleness bound allows; after each update the collector publishes the new weights
 and requests the next batch. The collector counts the steps done (the policy version) and
 checkpoints what a resume needs.
@@ -15,10 +15,9 @@ from typing import Any
 
 import torch
 
-from rlhf_lightning.algorithms.async_rollout import AsyncRollouts, BatchSource, is_stale
-from rlhf_lightning.data.resumable import rows_of_batch
-from rlhf_lightning.envs.harness import RolloutResult
+from rlhf_lightning.rollout.async_rollout import AsyncRollouts, BatchSource, is_stale
 from rlhf_lightning.rollout.engine import SamplingParams
+from rlhf_lightning.rollout.harness import RolloutResult
 
 Metrics = dict[str, torch.Tensor]
 
@@ -72,17 +71,3 @@ class Collector:
     def close(self) -> None:
         if self.async_rollouts is not None:
             self.async_rollouts.close()
-
-
-def actor_source(
-    policy: Any, rank: int, loader: Callable[[], Any], world_size: int = 1, device: str = "cpu"
-) -> BatchSource:
-    """The producer's view of the trainer: ``rank``, a CPU copy of ``policy``'s actor weights
-    (by the role the policy was built with), the rows of the train ``loader()``'s future batches,
-    the number of ranks and the trainer's ``device``."""
-    actor = policy.roles["actor"]
-
-    def weights() -> dict[str, torch.Tensor]:
-        return {n: p.detach().to("cpu", copy=True) for n, p in policy.named_parameters() if n in actor}
-
-    return BatchSource(rank, weights, lambda b: rows_of_batch(loader(), b), world_size, device)

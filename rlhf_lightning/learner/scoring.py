@@ -18,13 +18,13 @@ from typing import Any
 
 import torch
 
-from rlhf_lightning.algorithms.records import Advantages, Metrics, Scored
-from rlhf_lightning.envs.harness import RolloutResult
-from rlhf_lightning.envs.trajectory import TrajectoryBatch, collate
+from rlhf_lightning.learner.records import Advantages, Metrics, Scored
 from rlhf_lightning.losses import kl
 from rlhf_lightning.losses.corrections import offpolicy_mask, overlong_penalty
 from rlhf_lightning.losses.kl import kl_penalized_returns, kl_shaped_advantages
 from rlhf_lightning.losses.masked import masked_mean
+from rlhf_lightning.rollout.harness import RolloutResult
+from rlhf_lightning.rollout.trajectory import TrajectoryBatch, collate
 from rlhf_lightning.runtime.distributed import all_sum
 
 # (batch, per-turn rewards (B, K), returns (B,)) -> advantages

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from rlhf_lightning.algorithms.liger_path import LigerObjective
-from rlhf_lightning.algorithms.objective import CriticTerm, KLTerm, Objective, PolicyObjective, PolicyTerm
+from rlhf_lightning.learner.liger_path import LigerObjective
+from rlhf_lightning.learner.objective import CriticTerm, KLTerm, Objective, PolicyObjective, PolicyTerm
 
 
 def build_objective(

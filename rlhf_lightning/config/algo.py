@@ -14,7 +14,7 @@ from typing import Any
 from omegaconf import MISSING
 
 # The built-in names of the registries the rollout families choose from, listed here so the
-# start-up checks can name a bad one before torch is imported (``field_checks.py``);
+# start-up checks can name a bad one before torch is imported (``config/early.py``);
 # ``tests/test_startup.py`` checks that they equal the registries' own.
 BUILTIN_POLICY_LOSSES = ("cispo", "gspo", "ppo_clip", "reinforce")
 BUILTIN_OUTCOME_ADVANTAGES = ("dr_grpo", "grpo", "mean_only", "rebn", "reinforce_pp", "rloo")

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from rlhf_lightning.algorithms.microbatch import split_by_tokens, split_rows
-from rlhf_lightning.envs.trajectory import TrajectoryBatch
+from rlhf_lightning.learner.microbatch import split_by_tokens, split_rows
+from rlhf_lightning.rollout.trajectory import TrajectoryBatch
 from rlhf_lightning.runtime.distributed import agree_max
-from rlhf_lightning.strategies import split_global
+from rlhf_lightning.runtime.strategies import split_global
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from typing import Any, cast
 
 from transformers import PreTrainedTokenizerBase
 
+from rlhf_lightning.config.errors import ConfigError
 from rlhf_lightning.envs.base import Message, Observation
-from rlhf_lightning.errors import ConfigError
 
 # What the start-up probe conversation puts in an assistant turn: reasoning that templates which
 # strip earlier reasoning (e.g. Qwen3's) drop once another turn follows.

@@ -12,13 +12,13 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from rlhf_lightning.algo_config import (
+from rlhf_lightning.config.algo import (
     BUILTIN_AGGREGATION_MODES,
     BUILTIN_KL_ESTIMATORS,
     BUILTIN_OUTCOME_ADVANTAGES,
     BUILTIN_POLICY_LOSSES,
 )
-from rlhf_lightning.errors import ConfigError, check, check_model_path
+from rlhf_lightning.config.errors import ConfigError, check, check_model_path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOGGERS = ("csv", "tensorboard", "wandb")
@@ -39,7 +39,7 @@ def check_required(cfg: DictConfig) -> None:
 
 
 def validate_model_fields(m: DictConfig) -> None:
-    """``model.*`` as far as the config alone tells (quantization and kernels: validation.py)."""
+    """``model.*`` as far as the config alone tells (quantization and kernels: run/validation.py)."""
     check_model_path("model.path", m.path)
     if m.tokenizer_path is not None:
         check_model_path("model.tokenizer_path", m.tokenizer_path)

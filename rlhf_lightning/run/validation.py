@@ -11,12 +11,12 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from rlhf_lightning.algorithms.checks import resolve_clip_defaults
 from rlhf_lightning.callbacks.configured import check_configured_callbacks
-from rlhf_lightning.envs.stepping import STEP_WORKERS
-from rlhf_lightning.errors import ConfigError, check
-from rlhf_lightning.field_checks import LOGGERS, early_checks, is_typed, validate_optim
+from rlhf_lightning.config.early import LOGGERS, early_checks, is_typed, validate_optim
+from rlhf_lightning.config.errors import ConfigError, check
 from rlhf_lightning.losses import POLICY_LOSSES
 from rlhf_lightning.models.kernels import QUANT_TYPES, gpu_model_problem
-from rlhf_lightning.strategies import STRATEGIES, split_global
+from rlhf_lightning.rollout.stepping import STEP_WORKERS
+from rlhf_lightning.runtime.strategies import STRATEGIES, split_global
 
 
 def validate_model(m: DictConfig) -> None:

@@ -23,7 +23,7 @@ waits for it); ``newest`` never waits.
 the trainer's RNG states handed over and back), so its batches are the synchronous run's.
 
 Faults: messages travel over one-way pipes under deadlines and batches and weights as files in
-``<run>/.async/rank<r>/`` (:mod:`~rlhf_lightning.algorithms.async_producer`), so a producer that
+``<run>/.async/rank<r>/`` (:mod:`~rlhf_lightning.rollout.async_producer`), so a producer that
 dies (killed, out of memory) ends the run with an error within ``rollout.async_timeout_s`` at
 the latest (at once when it is gone), and a trainer that dies takes its producer with it.
 """
@@ -45,7 +45,7 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from rlhf_lightning.algorithms.async_producer import (
+from rlhf_lightning.rollout.async_producer import (
     POLL_S,
     Placement,
     Produced,
@@ -54,8 +54,8 @@ from rlhf_lightning.algorithms.async_producer import (
     load_spooled,
     producer_main,
 )
-from rlhf_lightning.envs.harness import RolloutResult
 from rlhf_lightning.rollout.engine import SamplingParams
+from rlhf_lightning.rollout.harness import RolloutResult
 from rlhf_lightning.runtime import rng
 from rlhf_lightning.runtime.channel import (
     ChannelClosed,

@@ -19,15 +19,15 @@ from omegaconf import DictConfig, OmegaConf
 from rlhf_lightning.callbacks.checkpoints import AtomicCheckpointIO
 from rlhf_lightning.callbacks.objective import optimized_value
 from rlhf_lightning.config import register_configs
-from rlhf_lightning.factories import (  # noqa: F401  (build, training_reward, population_callback: the API)
+from rlhf_lightning.run.factories import (  # noqa: F401  (build, training_reward, population_callback: the API)
     RunCallbacks,
     build,
     population_callback,
     run_callbacks,
     training_reward,
 )
-from rlhf_lightning.loggers import build_loggers, hydra_job, wandb_location
-from rlhf_lightning.rundir import (
+from rlhf_lightning.run.loggers import build_loggers, hydra_job, wandb_location
+from rlhf_lightning.run.rundir import (
     check_same_run,
     claim_run_dir,
     find_resumable,
@@ -35,14 +35,14 @@ from rlhf_lightning.rundir import (
     release_run_dir,
     save_run_config,
 )
-from rlhf_lightning.strategies import (
+from rlhf_lightning.run.summary import summary_lines, write_plot
+from rlhf_lightning.run.validation import check, check_checkpoint, validate
+from rlhf_lightning.runtime.strategies import (
     build_strategy,
     distributed_job,
     pass_output_dir_to_other_ranks,
     single_job_argv,
 )
-from rlhf_lightning.summary import summary_lines, write_plot
-from rlhf_lightning.validation import check, check_checkpoint, validate
 
 log = logging.getLogger(__name__)
 

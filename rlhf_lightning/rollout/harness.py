@@ -16,11 +16,11 @@ from typing import Any, cast
 from transformers import PreTrainedTokenizerBase
 
 from rlhf_lightning.envs.base import Observation, TextEnv
-from rlhf_lightning.envs.chat import ChatFormatter
-from rlhf_lightning.envs.stepping import EnvStepper, StepOutcome, StepTimeout
-from rlhf_lightning.envs.trajectory import Trajectory, TrajectoryBatch, collate
 from rlhf_lightning.rewards import CombinedReward, reward_value
+from rlhf_lightning.rollout.chat import ChatFormatter
 from rlhf_lightning.rollout.engine import AdapterSampler, Completion, Sampler, SamplingParams
+from rlhf_lightning.rollout.stepping import EnvStepper, StepOutcome, StepTimeout
+from rlhf_lightning.rollout.trajectory import Trajectory, TrajectoryBatch, collate
 
 __all__ = ["ChatFormatter", "RolloutHarness", "RolloutResult", "reward_value"]
 
@@ -78,7 +78,7 @@ class RolloutHarness:
         concurrency: envs stepped at once within a turn (1: one after the other).
         step_timeout_s: a step that takes longer is stopped (None: no limit).
         step_workers: where steps run at once or with a limit: ``process`` (worker processes:
-            a step past its limit is killed) or ``thread`` (no limit); see ``envs.stepping``.
+            a step past its limit is killed) or ``thread`` (no limit); see ``rollout.stepping``.
     """
 
     def __init__(

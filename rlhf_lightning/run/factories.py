@@ -20,8 +20,6 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from rlhf_lightning.algorithms.async_producer import Placement
-from rlhf_lightning.algorithms.async_rollout import AsyncRollouts, AsyncSettings
 from rlhf_lightning.algorithms.checks import resolve_clip_defaults
 from rlhf_lightning.algorithms.spec import AlgorithmSpec, get_algorithm
 from rlhf_lightning.callbacks import AdapterExport, SameConfigOnAllRanks, SampleTable, config_digest
@@ -33,9 +31,7 @@ from rlhf_lightning.callbacks.progress import ProgressLog, StepProgressBar, auto
 from rlhf_lightning.callbacks.signals import StopOnSignal
 from rlhf_lightning.data.offline import OfflineDataModule
 from rlhf_lightning.data.prompts import PromptDataModule
-from rlhf_lightning.envs.chat import ChatFormatter, check_template, env_tools
 from rlhf_lightning.envs.factory import env_factory, split_sizes
-from rlhf_lightning.envs.harness import RolloutHarness
 from rlhf_lightning.models.build import build_policy, load_model, load_tokenizer
 from rlhf_lightning.models.policy import Policy
 from rlhf_lightning.population.callback import Population
@@ -43,8 +39,12 @@ from rlhf_lightning.population.checks import default_evolve_every, side_by_side
 from rlhf_lightning.population.evolution import DEFAULT_SPACE, MutationRange
 from rlhf_lightning.population.side_by_side import SideBySidePopulation
 from rlhf_lightning.rewards import CombinedReward, build_reward
+from rlhf_lightning.rollout.async_producer import Placement
+from rlhf_lightning.rollout.async_rollout import AsyncRollouts, AsyncSettings
 from rlhf_lightning.rollout.callback import RolloutEngineCallback
+from rlhf_lightning.rollout.chat import ChatFormatter, check_template, env_tools
 from rlhf_lightning.rollout.engine import SamplingParams
+from rlhf_lightning.rollout.harness import RolloutHarness
 from rlhf_lightning.rollout.hf import HFEngine
 
 log = logging.getLogger(__name__)

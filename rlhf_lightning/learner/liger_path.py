@@ -1,8 +1,8 @@
 """The Liger implementation of the micro-batch objective (``algo.use_liger_loss``, GPU).
 
 Liger's fused linear loss computes the lm-head logits, the policy term, the KL term and their
-gradients chunk by chunk. It implements the same :class:`~rlhf_lightning.algorithms.objective.Objective`
-as :class:`~rlhf_lightning.algorithms.objective.PolicyObjective` for the combinations that
+gradients chunk by chunk. It implements the same :class:`~rlhf_lightning.learner.objective.Objective`
+as :class:`~rlhf_lightning.learner.objective.PolicyObjective` for the combinations that
 :func:`liger_unsupported` accepts (validation refuses the others at
 start-up), and it is tested equal to it on the CPU through Liger's PyTorch path.
 """
@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from rlhf_lightning.algorithms.common import Metrics
-from rlhf_lightning.algorithms.objective import Backward, MicroBatch
+from rlhf_lightning.learner.objective import Backward, MicroBatch
+from rlhf_lightning.learner.records import Metrics
 from rlhf_lightning.losses.corrections import truncated_importance_weights
 from rlhf_lightning.models.policy import Policy
 from rlhf_lightning.ops.liger import (

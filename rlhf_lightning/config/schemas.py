@@ -13,7 +13,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-from rlhf_lightning.algo_config import (
+from rlhf_lightning.config.algo import (
     DPOConfig,
     GRPOConfig,
     OfflineConfig,
@@ -23,7 +23,7 @@ from rlhf_lightning.algo_config import (
     SFTConfig,
 )
 
-__all__ = [  # the algorithm schemas are defined in algo_config.py and stored here
+__all__ = [  # the algorithm schemas are defined in config/algo.py and stored here
     "DPOConfig",
     "GRPOConfig",
     "OfflineConfig",
@@ -33,7 +33,7 @@ __all__ = [  # the algorithm schemas are defined in algo_config.py and stored he
     "SFTConfig",
 ]
 
-ASSETS = Path(__file__).resolve().parent / "assets"
+ASSETS = Path(__file__).resolve().parents[1] / "assets"  # rlhf_lightning/assets
 
 
 @dataclass
