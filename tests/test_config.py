@@ -29,6 +29,8 @@ def group_options():
 @pytest.mark.parametrize(("group", "option"), list(group_options()))
 def test_every_yaml_composes_and_resolves(group, option, tiny_path):
     overrides = [f"{group}={option}"]
+    if group == "family" and option != "none":  # a family agrees with the algorithm's module
+        overrides.append(f"algo={option}")
     if (group, option) == ("model", "local"):
         overrides.append(f"model.path={tiny_path}")
     if (group, option) == ("env", "custom"):  # its one required value
@@ -58,13 +60,14 @@ def test_default_model_is_the_embedded_checkpoint(tiny_path):
 TUNED = sorted((p.parent.name, p.stem) for p in (CONF / "tuned").glob("*/*.yaml"))
 
 
-@pytest.mark.parametrize(("model", "algo"), TUNED)
-def test_every_tuned_config_composes_for_its_model_and_algo(model, algo):
-    """conf/tuned/<model>/<algo>.yaml applies exactly when both are chosen."""
-    assert (CONF / "algo" / f"{algo}.yaml").is_file() and (CONF / "model" / f"{model}.yaml").is_file()
-    cfg = compose_config([f"model={model}", f"algo={algo}"], output_dir=Path("/tmp/unused"))
+@pytest.mark.parametrize(("model", "family"), TUNED)
+def test_every_tuned_config_composes_for_its_model_and_family(model, family):
+    """conf/tuned/<model>/<family>.yaml applies exactly when both are chosen (the family's base
+    option, algo=<family>, sets it)."""
+    assert (CONF / "family" / f"{family}.yaml").is_file() and (CONF / "model" / f"{model}.yaml").is_file()
+    cfg = compose_config([f"model={model}", f"algo={family}"], output_dir=Path("/tmp/unused"))
     validate(cfg)
-    assert cfg.algo.name == algo and cfg.model.name == model
+    assert (cfg.family, cfg.tuned, cfg.model.name) == (family, f"{model}/{family}", model)
 
 
 def test_the_tiny_models_settings_do_not_leak_into_real_models():
@@ -87,7 +90,7 @@ def test_the_tiny_models_settings_do_not_leak_into_real_models():
 def test_cispo_is_the_grpo_module_with_the_cispo_loss():
     cfg = compose_config(["algo=cispo"])
     validate(cfg)  # clip bounds left at auto become the cispo loss's own
-    assert (cfg.algo.module, cfg.algo.loss, cfg.algo.clip_low, cfg.algo.clip_high) == (
+    assert (cfg.algo.module, cfg.algo.loss.name, cfg.algo.clip_low, cfg.algo.clip_high) == (
         "grpo",
         "cispo",
         None,

@@ -53,6 +53,8 @@ def test_a_run_ends_with_its_summary_table_and_writes_plots_png(tmp_path):
     assert f"plot       {out / 'plots.png'}" in text and f"metrics    {out / 'metrics.csv'}" in text
     assert table[-1].startswith("log "), table[-1]  # nothing after the table
     assert "run finished" in (out / "train.log").read_text()
+    # which tuned settings applied (conf/tuned/<model>/<family>.yaml), in the log
+    assert "tuned settings: conf/tuned/tiny/grpo.yaml (family grpo)" in (out / "train.log").read_text()
     assert "Tip:" not in proc.stdout and "Total FLOPs" not in proc.stdout
 
 

@@ -8,11 +8,70 @@ from pathlib import Path
 
 from omegaconf import DictConfig, open_dict
 
+from rlhf_lightning.config.algo import node_params, registered_name
 from rlhf_lightning.config.errors import check
 from rlhf_lightning.learner.liger_path import liger_unsupported
 from rlhf_lightning.losses import ADVANTAGE_ESTIMATORS, AGGREGATION_MODES, KL_ESTIMATORS, POLICY_LOSSES
 
 CLIP_FIELDS = ("clip_low", "clip_high")
+
+
+def resolve_algo(a: DictConfig) -> None:
+    """The algorithm config as the code reads it: :func:`normalise_nodes`, then
+    :func:`resolve_clip_defaults`. Idempotent."""
+    normalise_nodes(a)
+    resolve_clip_defaults(a)
+
+
+def normalise_nodes(a: DictConfig) -> None:
+    """``algo.loss`` and ``algo.advantage`` as ``{name, <params>}`` nodes, whatever the spelling.
+
+    A flat name (``algo.loss=cispo``) becomes ``{name: cispo}``; ``algo.loss_kwargs`` (the older
+    spelling) joins the loss node (the node's own value wins). A known function's node keys must
+    be its parameters (a field of the loss's params class; one of the estimator's ``params``),
+    named here with the field they came from. A parameter the flat config also has (the loss's
+    ``clip_high``, the estimator's ``scale`` as ``advantage_scale``) moves into that field, which
+    the built-in code, the population and the Liger path read; the rest (a function defined
+    outside the package) stays in the node, where :class:`~rlhf_lightning.learner.objective.
+    PolicyTerm` and the GRPO module bind it. Idempotent; an unknown name is left for the family's
+    check to name."""
+    if "loss" in a:
+        name, params = registered_name(a.loss), node_params(a.loss)
+        kwargs = dict(a.get("loss_kwargs") or {})
+        if name in POLICY_LOSSES:
+            cls = POLICY_LOSSES.meta(name)["params"]
+            known = {f.name for f in dataclasses.fields(cls)}
+            for where, values in (("loss", params), ("loss_kwargs", kwargs)):
+                for key, value in values.items():
+                    check(
+                        key in known,
+                        f"algo.{where}.{key}",
+                        value,
+                        f"a field of {cls.__name__}, the params of algo.loss={name} "
+                        f"({', '.join(sorted(known)) or 'none'})",
+                    )
+        params = {**kwargs, **params}
+        with open_dict(a):
+            for key in [k for k in params if k in a and k not in ("name", "loss", "advantage")]:
+                a[key] = params.pop(key)
+            a.loss = {"name": name, **params}
+            if "loss_kwargs" in a:
+                a.loss_kwargs = {}
+    if "advantage" in a:
+        name, params = registered_name(a.advantage), node_params(a.advantage)
+        if name in ADVANTAGE_ESTIMATORS:
+            accepted = tuple(ADVANTAGE_ESTIMATORS.meta(name).get("params", ()))
+            for key, value in params.items():
+                check(
+                    key in accepted,
+                    f"algo.advantage.{key}",
+                    value,
+                    f"a parameter of the {name} estimator ({', '.join(accepted) or 'none'})",
+                )
+        with open_dict(a):
+            for key in [k for k in params if f"advantage_{k}" in a]:
+                a[f"advantage_{key}"] = params.pop(key)
+            a.advantage = {"name": name, **params}
 
 
 def resolve_clip_defaults(a: DictConfig) -> None:
@@ -23,7 +82,7 @@ def resolve_clip_defaults(a: DictConfig) -> None:
     PPO's loss is ppo_clip. Idempotent; an unknown loss is left for the start-up check to name."""
     if not all(k in a for k in CLIP_FIELDS):
         return  # an offline family
-    name = a.get("loss", "ppo_clip")
+    name = registered_name(a.get("loss", "ppo_clip"))
     if name not in POLICY_LOSSES:
         return
     params = POLICY_LOSSES.meta(name)["params"]
@@ -249,29 +308,23 @@ def check_shaping_and_corrections(a: DictConfig, max_new_tokens: int) -> None:
 
 def validate_grpo(a: DictConfig, cfg: DictConfig) -> None:
     validate_rollout_algo(a, cfg)
+    loss, advantage = registered_name(a.loss), registered_name(a.advantage)
     check(
-        a.loss in POLICY_LOSSES,
+        loss in POLICY_LOSSES,
         "algo.loss",
-        a.loss,
+        loss,
         f"one of {', '.join(POLICY_LOSSES.names())}, or the dotted path of a loss a module registers",
     )
-    params = POLICY_LOSSES.meta(a.loss)["params"]
-    known = {f.name for f in dataclasses.fields(params)}
-    for key in a.get("loss_kwargs") or {}:
-        check(
-            key in known,
-            f"algo.loss_kwargs.{key}",
-            a.loss_kwargs[key],
-            f"a field of {params.__name__}, the params of algo.loss={a.loss} ({', '.join(sorted(known)) or 'none'})",
-        )
+    normalise_nodes(a)  # the node's keys, now that the loss is known to import
     outcome = [
         n for n in ADVANTAGE_ESTIMATORS.names() if ADVANTAGE_ESTIMATORS.meta(n).get("kind") == "outcome"
     ]
     check(
-        a.advantage in outcome,
+        advantage in ADVANTAGE_ESTIMATORS and ADVANTAGE_ESTIMATORS.meta(advantage).get("kind") == "outcome",
         "algo.advantage",
-        a.advantage,
-        f"one of {', '.join(outcome)} (gae needs a critic: use algo=ppo)",
+        advantage,
+        f"one of {', '.join(outcome)} (gae needs a critic: use algo=ppo), or the dotted path of an "
+        "outcome estimator a module registers",
     )
     check(
         a.advantage_scale in ("group", "batch", "none"),
@@ -287,19 +340,19 @@ def validate_grpo(a: DictConfig, cfg: DictConfig) -> None:
         "> 0, or null",
     )
     check(a.max_resample_rounds >= 0, "algo.max_resample_rounds", a.max_resample_rounds, ">= 0")
-    if not POLICY_LOSSES.meta(a.loss).get("uses_ratio", True):
+    if not POLICY_LOSSES.meta(loss).get("uses_ratio", True):
         rollout_batch = a.prompts_per_step * a.group_size
         check(
             a.update_epochs == 1,
             "algo.update_epochs",
             a.update_epochs,
-            f"1 with algo.loss={a.loss}: it has no importance ratio, so a second epoch would follow an "
+            f"1 with algo.loss={loss}: it has no importance ratio, so a second epoch would follow an "
             "uncorrected off-policy gradient; use a clipped objective (ppo_clip, cispo) for more epochs",
         )
         check(
             a.mini_batch_size is None or a.mini_batch_size == rollout_batch,
             "algo.mini_batch_size",
             a.mini_batch_size,
-            f"null (one update per rollout batch) with algo.loss={a.loss}: later mini-batches would be "
+            f"null (one update per rollout batch) with algo.loss={loss}: later mini-batches would be "
             "off-policy without an importance ratio",
         )

@@ -10,6 +10,7 @@ from rlhf_lightning.algorithms.checks import validate_grpo
 from rlhf_lightning.algorithms.common import Metrics
 from rlhf_lightning.algorithms.spec import AlgorithmSpec, register_algorithm
 from rlhf_lightning.config import GRPOConfig
+from rlhf_lightning.config.algo import node_params, registered_name
 from rlhf_lightning.learner.objective import PolicyTerm
 from rlhf_lightning.losses import get_advantage_estimator
 from rlhf_lightning.losses.advantages import ADVANTAGE_ESTIMATORS, informative_groups, postprocess_advantages
@@ -31,10 +32,16 @@ class GRPOModule(RolloutModule):
     """
 
     def setup(self, stage: str) -> None:
-        self.advantage_fn = get_advantage_estimator(self.hp.advantage)
-        # The estimator's keyword ``x`` is set by the config's ``advantage_x``.
-        names = ADVANTAGE_ESTIMATORS.meta(self.hp.advantage).get("params", ())
-        self.advantage_kwargs = {name: getattr(self.hp, f"advantage_{name}") for name in names}
+        name, own = registered_name(self.hp.advantage), node_params(self.hp.advantage)
+        self.advantage_fn = get_advantage_estimator(name)
+        # The estimator's keyword ``x``: the node's ``advantage.x``, else the flat ``advantage_x``
+        # (a built-in one's), else the function's own default.
+        names = ADVANTAGE_ESTIMATORS.meta(name).get("params", ())
+        self.advantage_kwargs = {
+            n: own[n] if n in own else getattr(self.hp, f"advantage_{n}")
+            for n in names
+            if n in own or hasattr(self.hp, f"advantage_{n}")
+        }
         # Refill prompts differ per rank (each rank draws its own).
         self.row_generator = torch.Generator().manual_seed(torch.initial_seed() % 2**31 + 7919 * self.rank)
 

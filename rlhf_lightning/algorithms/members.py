@@ -22,6 +22,7 @@ from typing import Any, cast
 import torch
 from peft import PeftModel
 
+from rlhf_lightning.config.algo import with_hparams
 from rlhf_lightning.config.errors import ConfigError
 from rlhf_lightning.learner.optimizer import (
     StepHealth,
@@ -157,10 +158,7 @@ class MemberAPI:
     def member_hp(self, k: int) -> Any:
         """Member ``k``'s algorithm config: the run's, with its own values (the reference refresh
         is the member's own, see :meth:`refresh_member_reference`)."""
-        bank = cast(MemberBank, self.members)
-        fields = {f.name for f in dataclasses.fields(self._base_hp)}
-        own = {n: v for n, v in bank.hparams[k].items() if n in fields and n != "temperature"}
-        return dataclasses.replace(self._base_hp, **own)
+        return with_hparams(self._base_hp, cast(MemberBank, self.members).hparams[k])
 
     def member_sampling(self, k: int) -> Any:
         t = cast(MemberBank, self.members).hparams[k].get("temperature", self._base_sampling.temperature)

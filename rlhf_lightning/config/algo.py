@@ -8,8 +8,10 @@ parameters at start-up (``algorithms/checks.py``).
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from omegaconf import MISSING
 
@@ -100,16 +102,18 @@ class GRPOConfig(RolloutAlgoConfig):
 
     name: str = "grpo"
     module: str = "grpo"
-    # Objective: a name in rlhf_lightning.losses.POLICY_LOSSES (its hyper-parameters are bound
-    # explicitly by the loss's own params class).
-    loss: str = "ppo_clip"
-    # Keyword arguments of the loss's params class on top of the shared fields: the
-    # hyper-parameters of a loss defined outside the package (algo.loss=my_pkg.losses.my_loss
-    # +algo.loss_kwargs.alpha=0.5); each key must be a field of that class.
+    # Objective: {name: <a name in rlhf_lightning.losses.POLICY_LOSSES or a dotted path>, <fields
+    # of its params class>}. A field the flat config also has (clip_low, clip_high, clip_ratio_c,
+    # is_pooling) is moved there at start-up; the others (a loss from outside the package) stay
+    # in the node. Aliases: algo.loss=<name>; algo.loss_kwargs.<field> (the older spelling).
+    loss: Any = field(default_factory=lambda: {"name": "ppo_clip"})
+    # The loss's params as keyword arguments (the older spelling of the node's params; joins it).
     loss_kwargs: dict[str, Any] = field(default_factory=dict)
     is_level: str = "sequence"  # gspo: pool the ratio per sequence | turn
-    # Advantages: a group estimator in rlhf_lightning.losses.ADVANTAGE_ESTIMATORS.
-    advantage: str = "grpo"
+    # Advantages: {name: <a group estimator in rlhf_lightning.losses.ADVANTAGE_ESTIMATORS>, <its
+    # keyword parameters>}; a parameter with a flat advantage_<param> field (scale) is moved
+    # there at start-up. Alias: algo.advantage=<name>.
+    advantage: Any = field(default_factory=lambda: {"name": "grpo"})
     advantage_scale: str = "group"  # grpo: divide by the group | batch std, or none
     advantage_clip: float | None = None  # clip advantages to [-c, c]
     # DAPO extras (arXiv 2503.14476).
@@ -177,3 +181,39 @@ class DPOConfig(OfflineConfig):
     beta: float = 0.1
     loss_type: str = "sigmoid"  # sigmoid (DPO) | ipo
     label_smoothing: float = 0.0
+
+
+# ---------------------------------------------------------------- registered functions' nodes
+def registered_name(value: Any) -> str:
+    """The registered name of an ``algo.loss`` / ``algo.advantage`` value: the node's ``name``,
+    or the value itself (the flat alias ``algo.loss=cispo``)."""
+    if isinstance(value, Mapping):
+        return str(value.get("name"))
+    return str(value)
+
+
+def node_params(value: Any) -> dict[str, Any]:
+    """The parameters an ``algo.loss`` / ``algo.advantage`` node sets (every key but ``name``)."""
+    if isinstance(value, Mapping):
+        return {str(k): v for k, v in value.items() if k != "name"}
+    return {}
+
+
+HP = TypeVar("HP")
+NODES = ("loss", "advantage")  # a member's ``loss.<p>`` / ``advantage.<p>`` values go into these
+
+
+def with_hparams(hp: HP, values: Mapping[str, Any]) -> HP:
+    """A copy of the algorithm config ``hp`` with a population member's ``values``: a name that
+    is a field of ``hp`` sets it, ``loss.<p>`` / ``advantage.<p>`` set ``<p>`` in that node;
+    anything else (``temperature``, the sampler's) is left to its owner. The one function that
+    applies hyper-parameters to a member, side by side and round-robin."""
+    names = {f.name for f in dataclasses.fields(hp)}  # type: ignore[arg-type]
+    flat = {k: v for k, v in values.items() if k in names}
+    for node in NODES:
+        own = {k.split(".", 1)[1]: v for k, v in values.items() if k.startswith(f"{node}.")}
+        if own and node in names:
+            current = getattr(hp, node)
+            base = dict(current) if isinstance(current, Mapping) else {"name": current}
+            flat[node] = {**base, **own}
+    return dataclasses.replace(hp, **flat)  # type: ignore[type-var]

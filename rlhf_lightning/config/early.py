@@ -17,6 +17,7 @@ from rlhf_lightning.config.algo import (
     BUILTIN_KL_ESTIMATORS,
     BUILTIN_OUTCOME_ADVANTAGES,
     BUILTIN_POLICY_LOSSES,
+    registered_name,
 )
 from rlhf_lightning.config.errors import ConfigError, check, check_model_path
 
@@ -230,6 +231,23 @@ def early_checks(cfg: DictConfig) -> None:
         validate_optim(cfg.algo)
     if cfg.algo.get("module") in ("grpo", "ppo"):  # a family outside may register names of its own
         validate_rollout_names(cfg.algo)
+    check_family(cfg)
+
+
+BUILTIN_FAMILIES = ("grpo", "ppo", "dpo", "sft")  # conf/family/ (and none)
+
+
+def check_family(cfg: DictConfig) -> None:
+    """The tuned settings' family agrees with the algorithm's module: an option built on
+    ``algo/grpo.yaml`` but switched to ``module: ppo`` would otherwise get GRPO's tuned values."""
+    family, module = cfg.get("family", "none"), cfg.algo.get("module")
+    check(
+        family == "none" or module not in BUILTIN_FAMILIES or family == module,
+        "family",
+        family,
+        f"the family of algo.module={module}: add `- override /family@_global_.family: {module}` to the "
+        f"algorithm option's defaults (after the option it builds on), or family={module} on the command line",
+    )
 
 
 def validate_rollout_names(a: DictConfig) -> None:
@@ -238,17 +256,19 @@ def validate_rollout_names(a: DictConfig) -> None:
     log-probs' source. The family's checks run them again with the registries."""
     one_of = ", ".join
     if a.module == "grpo":
+        loss, advantage = registered_name(a.loss), registered_name(a.advantage)
         check(
-            a.loss in BUILTIN_POLICY_LOSSES or "." in str(a.loss),
+            loss in BUILTIN_POLICY_LOSSES or "." in loss,
             "algo.loss",
-            a.loss,
+            loss,
             f"one of {one_of(BUILTIN_POLICY_LOSSES)}, or the dotted path of a loss a module registers",
         )
         check(
-            a.advantage in BUILTIN_OUTCOME_ADVANTAGES,
+            advantage in BUILTIN_OUTCOME_ADVANTAGES or "." in advantage,
             "algo.advantage",
-            a.advantage,
-            f"one of {one_of(BUILTIN_OUTCOME_ADVANTAGES)} (gae needs a critic: use algo=ppo)",
+            advantage,
+            f"one of {one_of(BUILTIN_OUTCOME_ADVANTAGES)} (gae needs a critic: use algo=ppo), or the "
+            "dotted path of an outcome estimator a module registers",
         )
     for field, value, allowed in (
         ("loss_agg_mode", a.loss_agg_mode, BUILTIN_AGGREGATION_MODES),

@@ -305,6 +305,10 @@ class Config:
     # instantiated after the run's own (conf/callbacks/; add with +callbacks.<name>._target_=...).
     callbacks: dict[str, Any] = field(default_factory=dict)
     name: str = "default"  # runs land in outputs/<name>/<timestamp>
+    # The algorithm's family (conf/family/, set by the algo option's defaults): the tuned settings
+    # are conf/tuned/<model>/<family>.yaml, so a new option built on algo/grpo.yaml gets GRPO's.
+    family: str = "none"
+    tuned: str | None = None  # which tuned file applied (<model>/<family>; each file names itself)
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads; None: torch's default (OMP_NUM_THREADS or all cores)
     output_dir: str | None = None  # default: Hydra's run directory

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from rlhf_lightning.config.algo import registered_name
 from rlhf_lightning.learner.objective import Backward, MicroBatch
 from rlhf_lightning.learner.records import Metrics
 from rlhf_lightning.losses.corrections import truncated_importance_weights
@@ -39,12 +40,13 @@ def liger_unsupported(hp: Any) -> str | None:
         return "algo.mask_truncated=true (Liger takes the action mask as the loss mask)"
     if hp.offpolicy_token_bounds is not None or hp.offpolicy_seq_threshold:
         return "off-policy masks (algo.offpolicy_token_bounds / offpolicy_seq_threshold)"
-    if liger_loss_type(hp.loss, hp.loss_agg_mode) is None:
+    loss = registered_name(hp.loss)
+    if liger_loss_type(loss, hp.loss_agg_mode) is None:
         supported = ", ".join(liger_combinations())
-        return f"algo.loss={hp.loss} with algo.loss_agg_mode={hp.loss_agg_mode} (Liger covers {supported})"
-    if hp.loss == "cispo" and hp.clip_low is not None:
+        return f"algo.loss={loss} with algo.loss_agg_mode={hp.loss_agg_mode} (Liger covers {supported})"
+    if loss == "cispo" and hp.clip_low is not None:
         return "algo.clip_low must be null for CISPO (Liger's CISPO has no lower bound)"
-    if hp.loss == "gspo" and (hp.is_level != "sequence" or hp.is_pooling != "mean"):
+    if loss == "gspo" and (hp.is_level != "sequence" or hp.is_pooling != "mean"):
         return "GSPO with turn-level or product pooling"
     if hp.clip_ratio_c is not None:
         return "algo.clip_ratio_c (dual clip)"
@@ -92,7 +94,12 @@ class LigerObjective:
         compiled: bool = True,
     ) -> None:
         self.loss = LigerLoss(
-            hp.loss, hp.loss_agg_mode, hp.clip_low, hp.clip_high, hp.beta, hp.kl_importance_weighted
+            registered_name(hp.loss),
+            hp.loss_agg_mode,
+            hp.clip_low,
+            hp.clip_high,
+            hp.beta,
+            hp.kl_importance_weighted,
         )
         self.temperature, self.chunk_rows, self.max_len = temperature, chunk_rows, max_len
         self.tis_cap, self.world_size, self.compiled = tis_cap, world_size, compiled

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
+from rlhf_lightning.config.algo import node_params, registered_name
 from rlhf_lightning.learner.critic import reduce_to_steps
 from rlhf_lightning.learner.records import CriticTargets, Metrics, Scored
 from rlhf_lightning.losses import aggregate, get_policy_loss, kl
@@ -101,14 +102,17 @@ class PolicyTerm:
     per_turn: bool = False  # pass turn ids (GSPO pooled per turn)
 
     @classmethod
-    def bind(cls, name: str, hp: Any, per_turn: bool = False) -> PolicyTerm:
-        """The loss ``name`` with its params class's fields bound by name from ``hp`` (a field the
-        config does not have keeps the class's default), then ``hp.loss_kwargs`` on top (checked
-        at start-up against the class's fields)."""
+    def bind(cls, loss: Any, hp: Any, per_turn: bool = False) -> PolicyTerm:
+        """The loss ``loss`` (``algo.loss``: a ``{name, <params>}`` node or a name) with its params
+        class's fields bound by name from ``hp`` (a field the config does not have keeps the
+        class's default), then ``hp.loss_kwargs`` and the node's own params on top (checked at
+        start-up against the class's fields)."""
+        name = registered_name(loss)
         meta = POLICY_LOSSES.meta(name)
         params = meta["params"]
         bound = params(**{f.name: getattr(hp, f.name) for f in fields(params) if hasattr(hp, f.name)})
-        kwargs = {**loss_kwargs(bound), **dict(getattr(hp, "loss_kwargs", None) or {})}
+        extra = {**dict(getattr(hp, "loss_kwargs", None) or {}), **node_params(loss)}
+        kwargs = {**loss_kwargs(bound), **extra}
         return cls(name, kwargs, per_turn and meta.get("takes_turn_ids", False))
 
     def __call__(

@@ -9,14 +9,24 @@ that would fail at start-up can never reach training.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
+from rlhf_lightning.config.algo import registered_name
 from rlhf_lightning.config.errors import ConfigError, check
-from rlhf_lightning.population.evolution import DEFAULT_SPACE, FITNESS, INTEGER, MUTABLE
+from rlhf_lightning.population.evolution import (
+    DEFAULT_SPACE,
+    FITNESS,
+    INTEGER,
+    MUTABLE,
+    NODE_PREFIXES,
+    flat_space,
+    is_mutable,
+)
 
 # What each hyper-parameter must be, as its start-up check in run/validation.py / algorithms/checks.py.
 DOMAINS = {
@@ -31,6 +41,8 @@ DOMAINS = {
 
 
 def _in_domain(name: str, v: float) -> bool:
+    if name.startswith(NODE_PREFIXES):
+        return math.isfinite(v)  # a function's own parameter: any number its params class takes
     if name == "clip_low":
         return 0.0 <= v < 1.0
     if name in ("beta", "entropy_coef"):
@@ -70,12 +82,12 @@ def value_problem(name: str, value: float, algo: Mapping[str, Any], world_size: 
     """Why ``value`` cannot be a member's ``name`` under the algorithm config ``algo`` (plain
     values, e.g. ``dataclasses.asdict(hp)``), or None."""
     if not _in_domain(name, value):
-        return f"{name} must be {DOMAINS[name]}"
+        return f"{name} must be {DOMAINS.get(name, 'a finite number')}"
     if name == "group_size":
         problem = group_size_problem(int(value), algo, world_size)
         if problem is not None:
             return problem
-    if algo.get("use_liger_loss"):
+    if algo.get("use_liger_loss") and not name.startswith(NODE_PREFIXES):
         from rlhf_lightning.learner.liger_path import liger_unsupported
 
         reason = liger_unsupported(SimpleNamespace(**{**algo, name: value}))
@@ -101,9 +113,53 @@ def check_member(
 def policy_losses(algo: Mapping[str, Any]) -> list[str] | None:
     """The registered policy losses the configured family trains with (None: not known here)."""
     if algo.get("loss") is not None:
-        return [algo["loss"]]
+        return [registered_name(algo["loss"])]
     if algo.get("module") == "ppo":
         return ["ppo_clip", "gspo"]  # PPOModule: per-token clip, or GSPO's pooled ratio per turn
+    return None
+
+
+def node_parameters(node: str, algo: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The parameters (name -> default) of the function ``algo.<node>`` names (``loss``: its params
+    class's fields; ``advantage``: the estimator's ``params``, default None), or None if unknown."""
+    from rlhf_lightning.losses import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+
+    if node not in algo:
+        return None
+    name = registered_name(algo[node])
+    if node == "loss" and name in POLICY_LOSSES:
+        return {f.name: f.default for f in dataclasses.fields(POLICY_LOSSES.meta(name)["params"])}
+    if node == "advantage" and name in ADVANTAGE_ESTIMATORS:
+        return dict.fromkeys(ADVANTAGE_ESTIMATORS.meta(name).get("params", ()))
+    return None
+
+
+def node_value(algo: Mapping[str, Any], path: str) -> Any:
+    """The configured value of ``loss.<param>`` / ``advantage.<param>``: the node's, else the
+    function's default."""
+    node, param = path.split(".", 1)
+    own = algo.get(node)
+    if isinstance(own, Mapping) and param in own:
+        return own[param]
+    return (node_parameters(node, algo) or {}).get(param)
+
+
+def node_problem(path: str, algo: Mapping[str, Any]) -> str | None:
+    """Why the node path ``loss.<param>`` / ``advantage.<param>`` cannot be mutated, or None."""
+    node, param = path.split(".", 1)
+    params = node_parameters(node, algo)
+    if params is None:
+        return f"algo={algo.get('name')} has no registered algo.{node}: mutating {path} would change nothing"
+    flat = param if node == "loss" else f"advantage_{param}"
+    if flat in algo:
+        return f"{path} is the flat field algo.{flat}: mutate {flat} (among {', '.join(MUTABLE)})"
+    if param not in params:
+        return (
+            f"algo.{node}={registered_name(algo[node])} has no parameter {param} (it has "
+            f"{', '.join(sorted(params)) or 'none'}); drop it from population.mutate"
+        )
+    if not isinstance(node_value(algo, path), int | float) or isinstance(node_value(algo, path), bool):
+        return f"{path}={node_value(algo, path)!r} is not a number; set it in algo.{node} or drop it"
     return None
 
 
@@ -111,6 +167,8 @@ def unused_problem(name: str, algo: Mapping[str, Any], finetune: str) -> str | N
     """Why mutating ``name`` would do nothing or break the run under this config, or None."""
     if name == "temperature":
         return None  # the sampler's, every rollout algorithm has one
+    if name.startswith(NODE_PREFIXES):
+        return node_problem(name, algo)
     where = f"algo={algo.get('name')}"
     if name not in algo:
         return f"{where} has no {name}: mutating it would change nothing; drop it from population.mutate"
@@ -222,12 +280,18 @@ def validate_population(p: DictConfig, spec: Any, cfg: DictConfig) -> None:
     check(p.snapshot_every >= 0, "population.snapshot_every", p.snapshot_every, ">= 0")
     keep = p.get("keep_snapshots")
     check(keep is None or keep >= 1, "population.keep_snapshots", keep, ">= 1 (the newest are kept)")
-    mutate = p.mutate if p.mutate is not None else DEFAULT_SPACE
     check(
-        isinstance(mutate, DictConfig | dict) and set(mutate) <= set(MUTABLE),
+        p.mutate is None or isinstance(p.mutate, DictConfig | dict),
         "population.mutate",
-        mutate,
-        f"{{name: {{low, high, scale}}}} with names among {', '.join(MUTABLE)}",
+        p.mutate,
+        f"{{name: {{low, high, scale}}}} with names among {', '.join(MUTABLE)} or loss.<param> / advantage.<param>",
+    )
+    mutate = flat_space(p.mutate if p.mutate is not None else DEFAULT_SPACE)
+    check(
+        all(is_mutable(name) for name in mutate),
+        "population.mutate",
+        p.mutate,
+        f"{{name: {{low, high, scale}}}} with names among {', '.join(MUTABLE)} or loss.<param> / advantage.<param>",
     )
     for name, r in mutate.items():
         ok = (

@@ -8,15 +8,37 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 # Hyper-parameters a member may carry: each is applied to the algorithm's config (``algo.<name>``)
 # or, for ``temperature``, to the sampling parameters.
 MUTABLE = ("lr", "clip_low", "clip_high", "beta", "temperature", "group_size", "entropy_coef")
+# ... and any parameter of the configured loss or advantage estimator that has no flat field, by
+# its node path (``loss.<param>``, ``advantage.<param>``): a function from outside the package.
+NODE_PREFIXES = ("loss.", "advantage.")
 FITNESS = ("accuracy_sampled", "accuracy_greedy", "return_sampled", "return_greedy")  # population.fitness
 INTEGER = ("group_size",)
 DEFAULT_SPACE = {"lr": {"low": 1e-6, "high": 1e-2, "scale": 2.0}}  # population.mutate=null
+
+
+def is_mutable(name: str) -> bool:
+    """Whether ``name`` is a hyper-parameter a member may carry (:data:`MUTABLE` or a node path)."""
+    return name in MUTABLE or (name.startswith(NODE_PREFIXES) and name.count(".") == 1)
+
+
+def flat_space(mutate: Mapping[str, Any]) -> dict[str, Any]:
+    """``population.mutate`` with node paths flattened: ``{loss: {scale: {low, high}}}`` (as the
+    command line's ``+population.mutate.loss.scale.low=...`` writes it) becomes ``{"loss.scale":
+    {low, high}}``; a range (a mapping with ``low``) is kept as it is."""
+    out: dict[str, Any] = {}
+    for name, r in mutate.items():
+        if isinstance(r, Mapping) and "low" not in r and all(isinstance(v, Mapping) for v in r.values()):
+            out.update({f"{name}.{p}": v for p, v in r.items()})
+        else:
+            out[str(name)] = r
+    return out
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,15 @@ import lightning as L
 import torch
 
 from rlhf_lightning.algorithms.evaluation import episode_success
-from rlhf_lightning.population.checks import check_member, validate_space
-from rlhf_lightning.population.evolution import FITNESS, MUTABLE, MutationRange, mutate, tournament_select
+from rlhf_lightning.population.checks import check_member, node_value, validate_space
+from rlhf_lightning.population.evolution import (
+    FITNESS,
+    MUTABLE,
+    MutationRange,
+    is_mutable,
+    mutate,
+    tournament_select,
+)
 from rlhf_lightning.population.members import KEEP_SNAPSHOTS, Member, write_snapshot
 from rlhf_lightning.runtime import rng as rng_state
 
@@ -43,9 +50,12 @@ def check_settings(
         )
     if fitness not in FITNESS:
         raise ValueError(f"population.fitness={fitness!r}: one of {', '.join(FITNESS)}")
-    unknown = sorted(set(space) - set(MUTABLE))
+    unknown = sorted(name for name in space if not is_mutable(name))
     if unknown:
-        raise ValueError(f"population.mutate: unknown hyper-parameters {unknown}; choose among {MUTABLE}")
+        raise ValueError(
+            f"population.mutate: unknown hyper-parameters {unknown}; choose among {MUTABLE}, or a "
+            "loss.<param> / advantage.<param> of the configured function"
+        )
     if keep_snapshots < 1:
         raise ValueError(f"population.keep_snapshots must be at least 1, got {keep_snapshots}")
 
@@ -114,9 +124,16 @@ class Generations:
         self._algo = {}  # the algorithm's config values (mutated values are checked)
         self._restored: dict[str, Any] | None = None
 
+    @property
+    def carried(self) -> tuple[str, ...]:
+        """The hyper-parameters each member carries (and the lineage shows): :data:`MUTABLE`, and
+        the node paths (``loss.<param>``) the space mutates."""
+        return (*MUTABLE, *sorted(n for n in self.space if n not in MUTABLE))
+
     def initial_hparams(self) -> dict[str, float]:
         """The config's values of every mutable hyper-parameter it sets, and the temperature."""
         hp = {k: self._algo[k] for k in MUTABLE if k in self._algo}
+        hp.update({k: node_value(self._algo, k) for k in self.carried if k not in MUTABLE})
         hp["temperature"] = self._base_temperature
         return {k: v for k, v in hp.items() if v is not None}
 
@@ -307,7 +324,7 @@ class Generations:
     def digest_rows(self) -> torch.Tensor:
         """Per member: its id, its hyper-parameters and :meth:`member_digest` (float64)."""
         rows = [
-            [float(m.id), *(float(m.hparams.get(k) or 0.0) for k in MUTABLE), *self.member_digest(i)]
+            [float(m.id), *(float(m.hparams.get(k) or 0.0) for k in self.carried), *self.member_digest(i)]
             for i, m in enumerate(self.members)
         ]
         return torch.tensor(rows, dtype=torch.float64, device=self.module.device)
@@ -330,7 +347,7 @@ class Generations:
     ) -> None:
         m = member if member is not None else self.members[slot]
         row = {"step": step, "slot": slot, "id": m.id, "parent": m.parent, "event": event, "mutation": mutation,
-               "parent_fitness": fitness, **{k: m.hparams.get(k) for k in MUTABLE}}  # fmt: skip
+               "parent_fitness": fitness, **{k: m.hparams.get(k) for k in self.carried}}  # fmt: skip
         self.lineage.append(row)
 
     def write_lineage(self, trainer: L.Trainer) -> None:
@@ -338,6 +355,6 @@ class Generations:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
         with (self.output_dir / "lineage.csv").open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=LINEAGE_FIELDS)
+            writer = csv.DictWriter(f, fieldnames=[*LINEAGE_FIELDS, *self.carried[len(MUTABLE) :]])
             writer.writeheader()
             writer.writerows(self.lineage)

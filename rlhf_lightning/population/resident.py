@@ -14,6 +14,7 @@ from typing import Any, cast
 
 import torch
 
+from rlhf_lightning.config.algo import with_hparams
 from rlhf_lightning.learner.optimizer import set_base_lrs
 from rlhf_lightning.population.members import Member, copy_into
 
@@ -96,11 +97,10 @@ class ResidentMember:
 
     def apply_hparams(self, hp: dict[str, float]) -> None:
         module = self.module
-        fields = {f.name for f in dataclasses.fields(self._base_hp)}
-        algo: dict[str, Any] = {k: v for k, v in hp.items() if k in fields and k != "temperature"}
+        values: dict[str, Any] = dict(hp)
         if self._ref_interval:  # the population refreshes each member's own reference (refresh_reference)
-            algo["ref_update_interval"] = None
-        module.hp = dataclasses.replace(self._base_hp, **algo)
+            values["ref_update_interval"] = None
+        module.hp = with_hparams(self._base_hp, values)
         module.sampling = dataclasses.replace(
             module.sampling, temperature=hp.get("temperature", self._base_temperature)
         )

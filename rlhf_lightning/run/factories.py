@@ -20,7 +20,7 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from rlhf_lightning.algorithms.checks import resolve_clip_defaults
+from rlhf_lightning.algorithms.checks import resolve_algo
 from rlhf_lightning.algorithms.spec import AlgorithmSpec, get_algorithm
 from rlhf_lightning.callbacks import AdapterExport, SameConfigOnAllRanks, SampleTable, config_digest
 from rlhf_lightning.callbacks.checkpoints import BestCheckpoint, KeepLast, StepCheckpoint
@@ -36,7 +36,7 @@ from rlhf_lightning.models.build import build_policy, load_model, load_tokenizer
 from rlhf_lightning.models.policy import Policy
 from rlhf_lightning.population.callback import Population
 from rlhf_lightning.population.checks import default_evolve_every, side_by_side
-from rlhf_lightning.population.evolution import DEFAULT_SPACE, MutationRange
+from rlhf_lightning.population.evolution import DEFAULT_SPACE, MutationRange, flat_space
 from rlhf_lightning.population.side_by_side import SideBySidePopulation
 from rlhf_lightning.rewards import CombinedReward, build_reward
 from rlhf_lightning.rollout.async_producer import Placement
@@ -191,7 +191,7 @@ def population_callback(cfg: DictConfig, output_dir: Path) -> Population | SideB
     ``population.batched=false`` (or a run that needs it, :func:`side_by_side`) a round-robin
     :class:`Population`."""
     p = cfg.population
-    space = {name: MutationRange(**dict(r)) for name, r in (p.mutate or DEFAULT_SPACE).items()}
+    space = {name: MutationRange(**dict(r)) for name, r in flat_space(p.mutate or DEFAULT_SPACE).items()}
     batched = side_by_side(cfg)
     kind = SideBySidePopulation if batched else Population
     why = (
@@ -267,7 +267,9 @@ def build(cfg: DictConfig, output_dir: Path) -> tuple[L.LightningModule, L.Light
     tokenizer = tokenizer_from(m, cfg.env)
     harness, train_rows, eval_rows = harness_from(cfg, tokenizer, spec)
     model = model_from(m)
-    resolve_clip_defaults(a)  # as validate() did: clip bounds left at auto are the loss's own
+    resolve_algo(
+        a
+    )  # as validate() did: the loss and advantage nodes, clip bounds left at auto the loss's own
     hp = OmegaConf.to_object(a)
     policy = policy_from(model, m, a, spec, hp)
     # async: the producer holds the run's engine; the trainer evaluates (and refills) with HF generate

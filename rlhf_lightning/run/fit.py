@@ -186,10 +186,19 @@ def _run(cfg: DictConfig, extra_callbacks: Sequence[L.Callback]) -> RunResult:
         release_run_dir(output_dir)
 
 
+def tuned_line(cfg: DictConfig) -> str:
+    """Which tuned settings composed into ``cfg`` (conf/tuned/<model>/<family>.yaml), for the log."""
+    family = cfg.get("family", "none")
+    if cfg.get("tuned"):
+        return f"tuned settings: conf/tuned/{cfg.tuned}.yaml (family {family}); the command line still overrides them"
+    return f"tuned settings: none for this model and family {family} (conf/tuned/<model>/{family}.yaml)"
+
+
 def _fit(
     cfg: DictConfig, extra_callbacks: Sequence[L.Callback], output_dir: Path, ckpt_path: str | None
 ) -> RunResult:
     started = time.perf_counter()
+    log.info("%s", tuned_line(cfg))
     resume_step = None
     if ckpt_path:
         log.info("resuming from %s", ckpt_path)

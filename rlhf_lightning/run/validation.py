@@ -9,8 +9,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from rlhf_lightning.algorithms.checks import resolve_clip_defaults
+from rlhf_lightning.algorithms.checks import resolve_algo
 from rlhf_lightning.callbacks.configured import check_configured_callbacks
+from rlhf_lightning.config.algo import registered_name
 from rlhf_lightning.config.early import LOGGERS, early_checks, is_typed, validate_optim
 from rlhf_lightning.config.errors import ConfigError, check
 from rlhf_lightning.losses import POLICY_LOSSES
@@ -174,7 +175,7 @@ def validate(cfg: DictConfig) -> None:
     typed_before = is_typed(cfg.algo)
     check_configured_callbacks(cfg.get("callbacks"))
     spec = typed_algo(cfg)
-    resolve_clip_defaults(cfg.algo)
+    resolve_algo(cfg.algo)
     validate_model(cfg.model)
     a = cfg.algo
     if not typed_before:  # a family's own YAML: its optimiser fields exist only now
@@ -233,7 +234,7 @@ def validate_async(cfg: DictConfig, data: str) -> None:
         cfg.population.size,
         "1 with rollout.mode=async (members swap into the one policy between steps)",
     )
-    loss = cfg.algo.get("loss")
+    loss = registered_name(cfg.algo.loss) if cfg.algo.get("loss") is not None else None
     check(
         loss is None or cfg.rollout.max_staleness == 0 or POLICY_LOSSES.meta(loss).get("uses_ratio", True),
         "algo.loss",
