@@ -8,7 +8,7 @@
 ``run`` trains each case of :data:`CASES` (50 steps, seed 0, one thread, no checkpoints) with
 ``train.py`` of ``--root`` and this checkout's Python environment, each in its own process.
 ``compare`` reads both sides' ``metrics.csv`` and reports, per case, whether every row and every
-column except ``perf/*`` (wall times, throughput) is identical, and else the first differing
+column except ``perf/*`` and the async wait and work times (wall times, throughput) is identical, and else the first differing
 row and columns with both values.
 """
 
@@ -44,6 +44,8 @@ CASES: dict[str, list[str]] = {
     "async_k1": ["rollout.mode=async", "rollout.max_staleness=1"],
 }
 IGNORED_PREFIXES = ("perf/",)
+# Wall times outside perf/: how long the async trainer and producer waited and worked.
+IGNORED_COLUMNS = ("async/producer_wait_s", "async/producer_work_s", "async/trainer_wait_s")
 
 
 def run_cases(root: Path, out: Path, names: list[str]) -> None:
@@ -83,7 +85,9 @@ def compare_case(before: Path, after: Path) -> str:
     """'identical (N rows)' or the first difference."""
     a, b = read_rows(before / "metrics.csv"), read_rows(after / "metrics.csv")
     columns = sorted(
-        c for c in set(a[0] if a else {}) | set(b[0] if b else {}) if not c.startswith(IGNORED_PREFIXES)
+        c
+        for c in set(a[0] if a else {}) | set(b[0] if b else {})
+        if not c.startswith(IGNORED_PREFIXES) and c not in IGNORED_COLUMNS
     )
     only = sorted(set(a[0] if a else {}) ^ set(b[0] if b else {}))
     if len(a) != len(b):

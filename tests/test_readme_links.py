@@ -125,3 +125,21 @@ def test_the_checker_finds_broken_files_and_anchors_and_ignores_code(tmp_path: P
         "b.md#nope",
     ]
     assert anchors(tmp_path / "b.md") == {"tool-calling-envtools", "weights--biases", "a", "a-1"}
+
+
+def test_the_architecture_page_names_every_package_and_file():
+    """docs/architecture.md stays true to the code: every folder of the package and every
+    module in it is named on the page."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    package = ROOT / "rlhf_lightning"
+    missing = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package)
+        if "assets" in rel.parts or (path.name == "__init__.py" and len(rel.parts) > 1):
+            continue
+        if path.stem not in text and rel.as_posix() not in text:
+            missing.append(rel.as_posix())
+    for folder in sorted(p for p in package.iterdir() if p.is_dir() and not p.name.startswith("__")):
+        if f"{folder.name}/" not in text:
+            missing.append(f"{folder.name}/")
+    assert not missing, f"docs/architecture.md does not name: {missing}"
