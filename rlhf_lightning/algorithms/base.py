@@ -23,6 +23,7 @@ from rlhf_lightning.algorithms.common import MetricAccumulator, Metrics
 from rlhf_lightning.algorithms.diagnostics import rollout_metrics, sample_rows, warn_on_engine_gap
 from rlhf_lightning.algorithms.evaluation import RolloutEvaluation
 from rlhf_lightning.algorithms.population_step import PopulationStep
+from rlhf_lightning.config.algo import RolloutAlgoConfig
 from rlhf_lightning.data.resumable import rows_of_batch
 from rlhf_lightning.learner.liger_path import use_liger
 from rlhf_lightning.learner.objective import CriticTerm, MicroBatch, Objective, PolicyTerm
@@ -69,6 +70,7 @@ class RolloutModule(PopulationStep, RolloutEvaluation):
     """
 
     generates_in_training_step = True
+    hp: RolloutAlgoConfig
 
     def __init__(
         self,
@@ -76,7 +78,7 @@ class RolloutModule(PopulationStep, RolloutEvaluation):
         harness: RolloutHarness,
         engine: RolloutEngine,
         sampling: SamplingParams,
-        hp: Any,
+        hp: RolloutAlgoConfig,
         *,
         eval_greedy: bool = True,
         eval_sampled: bool = True,
@@ -162,6 +164,15 @@ class RolloutModule(PopulationStep, RolloutEvaluation):
         )
 
     def on_fit_start(self) -> None:
+        self.objective = self.build_objective()
+
+    def adopt_member(self, hp: RolloutAlgoConfig, sampling: SamplingParams, counters: dict[str, int]) -> None:
+        """A round-robin population's resident member (``population/resident.py``): its
+        hyper-parameters, sampling and counters (PPO's ``learn_steps``), and the objective they
+        give. The one way a member's state enters the module from outside."""
+        for name, value in counters.items():
+            setattr(self, name, value)
+        self.hp, self.sampling = hp, sampling
         self.objective = self.build_objective()
 
     def current_objective(self) -> Objective:
@@ -436,7 +447,7 @@ class RolloutModule(PopulationStep, RolloutEvaluation):
             return self.member_optimizers(max(self.total_optimizer_steps() // self.members.size, 1))
         return adamw_with_schedule(self.param_groups(self.hp), self.hp, self.total_optimizer_steps())
 
-    def param_groups(self, hp: Any) -> list[dict[str, Any]]:
+    def param_groups(self, hp: RolloutAlgoConfig) -> list[dict[str, Any]]:
         """The optimizer's parameter groups under config ``hp`` (a group may set its own ``lr``)."""
         return [{"params": self.policy.trainable_parameters()}]
 

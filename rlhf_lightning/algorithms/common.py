@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from rlhf_lightning.config.algo import OptimConfig
 from rlhf_lightning.learner.optimizer import StepHealth, clip_global_norm, refresh_reference
 from rlhf_lightning.learner.plan import lockstep
 from rlhf_lightning.learner.records import StepSummary
@@ -59,8 +60,9 @@ class ModuleMixin(L.LightningModule):
     # engine before each training batch only then.
     generates_in_training_step: ClassVar[bool] = False
     last_step: StepSummary | None = None  # the last training step's summary (log_step)
+    hp: OptimConfig  # the family's schema; each family narrows it (GRPOModule.hp: GRPOConfig)
 
-    def __init__(self, policy: Any, hp: Any) -> None:
+    def __init__(self, policy: Any, hp: OptimConfig) -> None:
         super().__init__()
         self.automatic_optimization = False
         # Checkpoints hold trainable weights only; the frozen base reloads from model.path.

@@ -18,6 +18,8 @@ class DPOModule(OfflineModule):
     which the policy runs once). The reference is the base with adapters disabled, or its own
     frozen adapter (``use_separate_reference_adapter``, moved every ``ref_update_interval``)."""
 
+    hp: DPOConfig
+
     def units(self, batch: TrajectoryBatch) -> int:
         return len(batch) // 2
 

@@ -31,6 +31,8 @@ class GRPOModule(RolloutModule):
     replaced by groups of freshly drawn prompts.
     """
 
+    hp: GRPOConfig
+
     def setup(self, stage: str) -> None:
         name, own = registered_name(self.hp.advantage), node_params(self.hp.advantage)
         self.advantage_fn = get_advantage_estimator(name)

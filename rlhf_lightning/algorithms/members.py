@@ -22,7 +22,7 @@ from typing import Any, cast
 import torch
 from peft import PeftModel
 
-from rlhf_lightning.config.algo import with_hparams
+from rlhf_lightning.config.algo import RolloutAlgoConfig, with_hparams
 from rlhf_lightning.config.errors import ConfigError
 from rlhf_lightning.learner.optimizer import (
     StepHealth,
@@ -77,7 +77,7 @@ class MemberAPI:
     to mutate one (checked like a start-up value)."""
 
     policy: Any
-    hp: Any
+    hp: RolloutAlgoConfig
     sampling: Any
     objective: Any
     world_size: int

@@ -12,6 +12,7 @@ import torch
 
 from rlhf_lightning.algorithms.common import MetricAccumulator, Metrics
 from rlhf_lightning.algorithms.evaluation import RolloutEvaluation
+from rlhf_lightning.config.algo import OfflineConfig
 from rlhf_lightning.learner.optimizer import adamw_with_schedule
 from rlhf_lightning.models.policy import Policy
 from rlhf_lightning.rollout.engine import RolloutEngine, SamplingParams
@@ -25,10 +26,12 @@ class OfflineModule(RolloutEvaluation):
     """Subclasses define :meth:`units` (what a micro-batch is split over), :meth:`normaliser`
     and :meth:`unit_loss`; and :meth:`eval_outputs` for the held-out data split."""
 
+    hp: OfflineConfig
+
     def __init__(
         self,
         policy: Policy,
-        hp: Any,
+        hp: OfflineConfig,
         harness: RolloutHarness | None = None,
         engine: RolloutEngine | None = None,
         sampling: SamplingParams | None = None,

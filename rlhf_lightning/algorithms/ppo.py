@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +14,7 @@ from rlhf_lightning.algorithms.common import Metrics
 from rlhf_lightning.algorithms.diagnostics import per_turn_means
 from rlhf_lightning.algorithms.spec import AlgorithmSpec, register_algorithm
 from rlhf_lightning.config import PPOConfig
+from rlhf_lightning.config.algo import RolloutAlgoConfig
 from rlhf_lightning.learner.critic import (
     explained_variance,
     reduce_to_steps,
@@ -44,6 +45,8 @@ class PPOModule(RolloutModule):
     token, per turn or per trajectory (``importance_sampling_level``). The first
     ``critic_warmup_steps`` training steps update the critic only, on Monte-Carlo returns.
     """
+
+    hp: PPOConfig
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -187,11 +190,13 @@ class PPOModule(RolloutModule):
         super().training_step(batch, batch_idx)
         self.learn_steps += 1
 
-    def param_groups(self, hp: Any) -> list[dict[str, Any]]:
-        """The actor, and the critic at ``lr_critic`` (``lr`` when unset)."""
+    def param_groups(self, hp: RolloutAlgoConfig) -> list[dict[str, Any]]:
+        """The actor, and the critic at ``lr_critic`` (``lr`` when unset; ``hp`` is a member's
+        PPOConfig)."""
+        lr_critic = cast(PPOConfig, hp).lr_critic
         return [
             {"params": self.policy.trainable_parameters("actor")},
-            {"params": self.policy.trainable_parameters("critic"), "lr": hp.lr_critic or hp.lr},
+            {"params": self.policy.trainable_parameters("critic"), "lr": lr_critic or hp.lr},
         ]
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -17,6 +17,8 @@ class SFTModule(OfflineModule):
     loss), averaged over every assistant token of the batch: micro-batching never changes the
     update."""
 
+    hp: SFTConfig
+
     def normaliser(self, batch: TrajectoryBatch) -> torch.Tensor:
         return self.global_count(batch.action_mask.sum().float()).clamp(min=1.0)
 

@@ -4,14 +4,14 @@ KL, entropy and correction fields become the plain arguments of the objective's 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
+from rlhf_lightning.config.algo import RolloutAlgoConfig
 from rlhf_lightning.learner.liger_path import LigerObjective
 from rlhf_lightning.learner.objective import CriticTerm, KLTerm, Objective, PolicyObjective, PolicyTerm
 
 
 def build_objective(
-    hp: Any,
+    hp: RolloutAlgoConfig,
     policy_term: Callable[[], PolicyTerm],
     *,
     critic: CriticTerm | None,

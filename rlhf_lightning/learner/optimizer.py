@@ -15,18 +15,23 @@ from typing import Any
 
 import torch
 
+from rlhf_lightning.config.algo import OptimConfig
 from rlhf_lightning.runtime.distributed import clip_by_norm, grad_norm
 from rlhf_lightning.runtime.schedule import warmup_cosine
 
 Metrics = dict[str, torch.Tensor]
 
 
-def adamw_with_schedule(params: Iterable[Any], hp: Any, total_steps: int) -> dict[str, Any]:
+def adamw_with_schedule(params: Iterable[Any], hp: OptimConfig, total_steps: int) -> dict[str, Any]:
     """AdamW and a per-step warm-up + cosine schedule, from an algorithm config's fields.
 
     ``params``: parameters, or param-group dicts (a group may set its own ``lr``)."""
     opt = torch.optim.AdamW(
-        list(params), lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.adam_betas), eps=hp.adam_eps
+        list(params),
+        lr=hp.lr,
+        weight_decay=hp.weight_decay,
+        betas=(hp.adam_betas[0], hp.adam_betas[1]),
+        eps=hp.adam_eps,
     )
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt,

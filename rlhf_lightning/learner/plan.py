@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from rlhf_lightning.config.algo import RolloutAlgoConfig
 from rlhf_lightning.learner.microbatch import split_by_tokens, split_rows
 from rlhf_lightning.rollout.trajectory import TrajectoryBatch
 from rlhf_lightning.runtime.distributed import agree_max
@@ -42,7 +43,7 @@ class UpdatePlan:
     world_size: int = 1
 
     @classmethod
-    def from_hp(cls, hp: Any, world_size: int) -> UpdatePlan:
+    def from_hp(cls, hp: RolloutAlgoConfig, world_size: int) -> UpdatePlan:
         """The plan of an algorithm config's (global) sizes on ``world_size`` ranks; a size that
         does not split evenly is refused with its field."""
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from rlhf_lightning.config.algo import RolloutAlgoConfig
 from rlhf_lightning.learner.records import Advantages, Metrics, Scored
 from rlhf_lightning.losses import kl
 from rlhf_lightning.losses.corrections import offpolicy_mask, overlong_penalty
@@ -67,7 +68,7 @@ class Scorer:
     offpolicy_seq_threshold: float | None = None
 
     @classmethod
-    def from_hp(cls, hp: Any, max_new_tokens: int, per_token_kl_reward: bool) -> Scorer:
+    def from_hp(cls, hp: RolloutAlgoConfig, max_new_tokens: int, per_token_kl_reward: bool) -> Scorer:
         """The scorer of an algorithm config (the module boundary: nothing below sees ``hp``)."""
         bounds = hp.offpolicy_token_bounds
         return cls(

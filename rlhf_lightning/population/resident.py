@@ -14,7 +14,7 @@ from typing import Any, cast
 
 import torch
 
-from rlhf_lightning.config.algo import with_hparams
+from rlhf_lightning.config.algo import RolloutAlgoConfig, with_hparams
 from rlhf_lightning.learner.optimizer import set_base_lrs
 from rlhf_lightning.population.members import Member, copy_into
 
@@ -29,7 +29,7 @@ class ResidentMember:
     module: Any
     members: list[Member]
     resident: int | None  # the slot whose state is on the model
-    _base_hp: Any
+    _base_hp: RolloutAlgoConfig
     _base_temperature: float
     _ref_interval: int | None  # members' own references move every this many updates
 
@@ -85,23 +85,23 @@ class ResidentMember:
         m = self.members[slot]
         copy_into(self.params(), m.weights)
         copy_into(self.reference_params(), m.reference)
-        for name, value in m.counters.items():
-            setattr(self.module, name, value)
         self.optimizer().load_state_dict(m.optimizer)
         sched = self.scheduler()
         sched.load_state_dict(m.scheduler)
-        self.apply_hparams(m.hparams)
+        self.apply_hparams(m.hparams, m.counters)
         self.resident = slot
         if self.module.engine is not None:
             self.module.engine.invalidate()  # another member's weights: the engine syncs before sampling
 
-    def apply_hparams(self, hp: dict[str, float]) -> None:
+    def apply_hparams(self, hp: dict[str, float], counters: dict[str, int] | None = None) -> None:
+        """The resident's learning rates here, then the module adopts its hyper-parameters,
+        sampling and ``counters`` (``RolloutModule.adopt_member``: nothing here writes into the
+        module)."""
         module = self.module
         values: dict[str, Any] = dict(hp)
         if self._ref_interval:  # the population refreshes each member's own reference (refresh_reference)
             values["ref_update_interval"] = None
-        module.hp = with_hparams(self._base_hp, values)
-        module.sampling = dataclasses.replace(
+        sampling = dataclasses.replace(
             module.sampling, temperature=hp.get("temperature", self._base_temperature)
         )
         sched, opt = self.scheduler(), self.optimizer()
@@ -110,7 +110,7 @@ class ResidentMember:
         if critic_lr is not None and len(lrs) > 1:
             lrs[1] = critic_lr  # PPO's critic keeps its own configured lr
         set_base_lrs(opt, sched, lrs)
-        module.objective = module.build_objective()
+        module.adopt_member(with_hparams(self._base_hp, values), sampling, counters or {})
 
     def refresh_reference(self) -> None:
         """Copy the resident's actor onto its own reference after every ``ref_update_interval``-th

@@ -71,3 +71,21 @@ def test_a_family_from_a_test_module_trains_through_the_cli(tmp_path):
     ]
     proc = subprocess.run(bad, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode != 0 and "lrr" in proc.stderr
+
+
+def test_each_family_module_types_hp_as_its_schema():
+    """``hp`` is the family's schema on every module (mypy checks every use against it)."""
+    import typing
+
+    from rlhf_lightning.algorithms.dpo import DPOModule
+    from rlhf_lightning.algorithms.ppo import PPOModule
+    from rlhf_lightning.algorithms.sft import SFTModule
+    from rlhf_lightning.config import DPOConfig, PPOConfig, SFTConfig
+
+    for module, schema in (
+        (GRPOModule, GRPOConfig),
+        (PPOModule, PPOConfig),
+        (SFTModule, SFTConfig),
+        (DPOModule, DPOConfig),
+    ):
+        assert typing.get_type_hints(module)["hp"] is schema, module

@@ -114,6 +114,18 @@ def python_rate(seconds: float = 0.3) -> float:
     return n / seconds
 
 
+def rate_after(before: float, share: float = 0.7, samples: int = 10) -> float:
+    """The best :func:`python_rate` of up to ``samples`` tries, stopping once one reaches
+    ``share`` of ``before``: a thread left holding the GIL slows every try, while the other
+    test worker's load (xdist on 2 cores) slows only some."""
+    best = 0.0
+    for _ in range(samples):
+        best = max(best, python_rate())
+        if best / before > share:
+            break
+    return best
+
+
 def test_runaway_calls_are_stopped_and_leave_nothing_running():
     """20 calls of a tool that loops for ever, each stopped at 0.2 s: this process's Python work
     runs as fast afterwards as before (abandoned threads would hold the GIL), and no worker
@@ -125,7 +137,7 @@ def test_runaway_calls_are_stopped_and_leave_nothing_running():
     outcomes = [pool.call(spin, (i,), timeout_s=0.2) for i in range(20)]
     assert all(o.timed_out for o in outcomes) and pool.timeouts == 20
     pool.call(sleepy, (0.0,))  # the last replacement has booted (its start is no runaway work)
-    after = max(python_rate() for _ in range(3))
+    after = rate_after(before)
     assert after / before > 0.7, (before, after)  # with 20 abandoned threads this was ~0.1
     assert {t.name for t in set(threading.enumerate()) - threads_before} <= {"child-starter"}
     pool.close()
