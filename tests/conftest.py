@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+import textwrap
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -16,6 +18,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from rlhf_lightning.config import register_configs
+from rlhf_lightning.losses.policy import POLICY_LOSSES
 from rlhf_lightning.models.tiny import TINY_MODEL_DIR
 
 torch.set_num_threads(1)
@@ -143,3 +146,43 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# ---------------------------------------------------------------- a loss from outside the package
+USER_LOSS_MODULE = "my_losses_for_test"  # a user's loss module outside the package (user_loss_module)
+USER_LOSS_FILE = textwrap.dedent(
+    '''
+    """A user's loss: REINFORCE scaled by its own hyper-parameter, which it reports."""
+    from dataclasses import dataclass
+
+    import torch
+
+    from rlhf_lightning.losses.policy import POLICY_LOSSES
+
+    SEEN = []  # the scale every call received
+
+
+    @dataclass(frozen=True)
+    class ScaledParams:
+        scale: float = 1.0
+
+
+    @POLICY_LOSSES.register("scaled_pg", params=ScaledParams, uses_ratio=False)
+    def scaled_pg(logp, old_logp, advantages, mask, *, scale=1.0):
+        SEEN.append(scale)
+        adv = advantages[:, None] if advantages.dim() == 1 else advantages
+        return -scale * adv * logp, {"scale": torch.tensor(float(scale))}
+    '''
+)
+
+
+@pytest.fixture
+def user_loss_module(tmp_path, monkeypatch):
+    """The user's loss module importable here (its directory: for a subprocess's PYTHONPATH)."""
+    (tmp_path / f"{USER_LOSS_MODULE}.py").write_text(USER_LOSS_FILE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    sys.modules.pop(USER_LOSS_MODULE, None)
+    for name in ("scaled_pg", f"{USER_LOSS_MODULE}.scaled_pg"):  # the registry is global: leave it as it was
+        POLICY_LOSSES._entries.pop(name, None)
+        POLICY_LOSSES._meta.pop(name, None)

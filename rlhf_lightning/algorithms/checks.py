@@ -315,7 +315,6 @@ def validate_grpo(a: DictConfig, cfg: DictConfig) -> None:
         loss,
         f"one of {', '.join(POLICY_LOSSES.names())}, or the dotted path of a loss a module registers",
     )
-    normalise_nodes(a)  # the node's keys, now that the loss is known to import
     outcome = [
         n for n in ADVANTAGE_ESTIMATORS.names() if ADVANTAGE_ESTIMATORS.meta(n).get("kind") == "outcome"
     ]

@@ -158,8 +158,9 @@ def node_problem(path: str, algo: Mapping[str, Any]) -> str | None:
             f"algo.{node}={registered_name(algo[node])} has no parameter {param} (it has "
             f"{', '.join(sorted(params)) or 'none'}); drop it from population.mutate"
         )
-    if not isinstance(node_value(algo, path), int | float) or isinstance(node_value(algo, path), bool):
-        return f"{path}={node_value(algo, path)!r} is not a number; set it in algo.{node} or drop it"
+    value = node_value(algo, path)
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return f"{path}={value!r} is not a number; set it in algo.{node} or drop it"
     return None
 
 

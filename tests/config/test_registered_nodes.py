@@ -20,35 +20,10 @@ from rlhf_lightning.algorithms.checks import resolve_algo
 from rlhf_lightning.config.algo import GRPOConfig, registered_name, with_hparams
 from rlhf_lightning.config.errors import ConfigError
 from rlhf_lightning.learner.objective import PolicyTerm
-from rlhf_lightning.losses.policy import POLICY_LOSSES
 from rlhf_lightning.run.validation import validate
 from tests.conftest import FAST, ROOT, compose_config
+from tests.conftest import USER_LOSS_MODULE as MODULE
 
-MODULE = "my_node_losses_for_test"
-LOSS_FILE = textwrap.dedent(
-    '''
-    """A user's loss: REINFORCE scaled by its own hyper-parameter, which it reports."""
-    from dataclasses import dataclass
-
-    import torch
-
-    from rlhf_lightning.losses.policy import POLICY_LOSSES
-
-    SEEN = []  # the scale every call received
-
-
-    @dataclass(frozen=True)
-    class ScaledParams:
-        scale: float = 1.0
-
-
-    @POLICY_LOSSES.register("node_scaled_pg", params=ScaledParams, uses_ratio=False)
-    def node_scaled_pg(logp, old_logp, advantages, mask, *, scale=1.0):
-        SEEN.append(scale)
-        adv = advantages[:, None] if advantages.dim() == 1 else advantages
-        return -scale * adv * logp, {"scale": torch.tensor(float(scale))}
-    '''
-)
 OPTION = textwrap.dedent(
     f"""\
     # A user's option: GRPO with an outside loss whose parameter lives in the loss node.
@@ -58,21 +33,10 @@ OPTION = textwrap.dedent(
 
     name: scaled
     loss:
-      name: {MODULE}.node_scaled_pg
+      name: {MODULE}.scaled_pg
       scale: 1.0
     """
 )
-
-
-@pytest.fixture
-def user_module(tmp_path, monkeypatch):
-    (tmp_path / f"{MODULE}.py").write_text(LOSS_FILE)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield tmp_path
-    sys.modules.pop(MODULE, None)
-    for name in ("node_scaled_pg", f"{MODULE}.node_scaled_pg"):  # the registry is global
-        POLICY_LOSSES._entries.pop(name, None)
-        POLICY_LOSSES._meta.pop(name, None)
 
 
 def test_the_default_options_compose_nodes():
@@ -99,23 +63,23 @@ def test_flat_spellings_are_aliases_of_the_node():
     assert cfg.algo.clip_high == pytest.approx(0.31)
 
 
-def test_an_outside_loss_binds_its_node_params(user_module):
-    cfg = compose_config([f"algo.loss.name={MODULE}.node_scaled_pg", "+algo.loss.scale=0.25"])
+def test_an_outside_loss_binds_its_node_params(user_loss_module):
+    cfg = compose_config([f"algo.loss.name={MODULE}.scaled_pg", "+algo.loss.scale=0.25"])
     validate(cfg)
     hp = OmegaConf.to_object(cfg.algo)
-    assert registered_name(hp.loss) == f"{MODULE}.node_scaled_pg"
+    assert registered_name(hp.loss) == f"{MODULE}.scaled_pg"
     term = PolicyTerm.bind(hp.loss, hp)
     assert term.kwargs == {"scale": 0.25}
     # the old spelling still works
-    cfg = compose_config([f"algo.loss={MODULE}.node_scaled_pg", "+algo.loss_kwargs.scale=0.5"])
+    cfg = compose_config([f"algo.loss={MODULE}.scaled_pg", "+algo.loss_kwargs.scale=0.5"])
     validate(cfg)
     hp = OmegaConf.to_object(cfg.algo)
     assert PolicyTerm.bind(hp.loss, hp).kwargs == {"scale": 0.5}
 
 
-def test_an_unknown_node_param_is_named(user_module):
+def test_an_unknown_node_param_is_named(user_loss_module):
     with pytest.raises(ConfigError) as err:
-        validate(compose_config([f"algo.loss.name={MODULE}.node_scaled_pg", "+algo.loss.alpha=2"]))
+        validate(compose_config([f"algo.loss.name={MODULE}.scaled_pg", "+algo.loss.alpha=2"]))
     assert str(err.value).startswith("invalid config: algo.loss.alpha=2")
     assert "ScaledParams" in str(err.value) and "scale" in str(err.value)
     with pytest.raises(ConfigError, match=r"algo\.advantage\.tau=2"):
@@ -136,7 +100,7 @@ def test_with_hparams_sets_fields_and_node_params():
 
 
 @pytest.mark.slow
-def test_an_outside_loss_param_is_swept_from_the_command_line(user_module, tmp_path):
+def test_an_outside_loss_param_is_swept_from_the_command_line(user_loss_module, tmp_path):
     conf = tmp_path / "conf"
     (conf / "algo").mkdir(parents=True)
     (conf / "algo" / "scaled.yaml").write_text(OPTION)
@@ -158,7 +122,7 @@ def test_an_outside_loss_param_is_swept_from_the_command_line(user_module, tmp_p
         "eval.batch_size=8",
         "num_threads=1",
     ]
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{user_module}"}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{user_loss_module}"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     seen = {}
@@ -172,13 +136,13 @@ def test_an_outside_loss_param_is_swept_from_the_command_line(user_module, tmp_p
 
 @pytest.mark.slow
 @pytest.mark.parametrize("batched", [True, False], ids=["side_by_side", "round_robin"])
-def test_a_population_mutates_an_outside_loss_param(user_module, tmp_path, batched):
+def test_a_population_mutates_an_outside_loss_param(user_loss_module, tmp_path, batched):
     from tests.conftest import fit_steps
 
     cfg = compose_config(
         [
             *FAST,
-            f"algo.loss.name={MODULE}.node_scaled_pg",
+            f"algo.loss.name={MODULE}.scaled_pg",
             "+algo.loss.scale=1.0",
             "algo.skip_zero_advantage=false",  # every member's update calls the loss
             "population.size=2",

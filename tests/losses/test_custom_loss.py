@@ -5,7 +5,6 @@ registers the loss with its params class; ``algo.loss=<module>.<name>`` imports 
 from __future__ import annotations
 
 import sys
-import textwrap
 
 import pytest
 import torch
@@ -14,47 +13,11 @@ from rlhf_lightning.config.errors import ConfigError
 from rlhf_lightning.losses.policy import POLICY_LOSSES
 from rlhf_lightning.run.validation import validate
 from tests.conftest import FAST, compose_config, fit_steps
-
-MODULE = "my_losses_for_test"
-LOSS_FILE = textwrap.dedent(
-    '''
-    """A user's loss: REINFORCE scaled by its own hyper-parameter."""
-    from dataclasses import dataclass
-
-    import torch
-
-    from rlhf_lightning.losses.policy import POLICY_LOSSES
-
-    SEEN = []  # the scale every call received
-
-
-    @dataclass(frozen=True)
-    class ScaledParams:
-        scale: float = 1.0
-
-
-    @POLICY_LOSSES.register("scaled_pg", params=ScaledParams, uses_ratio=False)
-    def scaled_pg(logp, old_logp, advantages, mask, *, scale=1.0):
-        SEEN.append(scale)
-        adv = advantages[:, None] if advantages.dim() == 1 else advantages
-        return -scale * adv * logp, {}
-    '''
-)
-
-
-@pytest.fixture
-def user_module(tmp_path, monkeypatch):
-    (tmp_path / f"{MODULE}.py").write_text(LOSS_FILE)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield
-    sys.modules.pop(MODULE, None)
-    for name in ("scaled_pg", f"{MODULE}.scaled_pg"):  # the registry is global: leave it as it was
-        POLICY_LOSSES._entries.pop(name, None)
-        POLICY_LOSSES._meta.pop(name, None)
+from tests.conftest import USER_LOSS_MODULE as MODULE
 
 
 @pytest.mark.slow
-def test_a_loss_from_outside_the_package_trains_with_its_own_hyper_parameter(tmp_path, user_module):
+def test_a_loss_from_outside_the_package_trains_with_its_own_hyper_parameter(tmp_path, user_loss_module):
     cfg = compose_config(
         [*FAST, f"algo.loss={MODULE}.scaled_pg", "+algo.loss_kwargs.scale=0.5", "samples.every_n_steps=0"],
         output_dir=tmp_path / "run",
@@ -79,7 +42,7 @@ def test_a_loss_from_outside_the_package_trains_with_its_own_hyper_parameter(tmp
     assert moved
 
 
-def test_an_unknown_hyper_parameter_is_named(user_module):
+def test_an_unknown_hyper_parameter_is_named(user_loss_module):
     with pytest.raises(ConfigError) as err:
         validate(compose_config([f"algo.loss={MODULE}.scaled_pg", "+algo.loss_kwargs.alpha=2"]))
     assert str(err.value).startswith("invalid config: algo.loss_kwargs.alpha=2")
