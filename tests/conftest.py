@@ -101,8 +101,8 @@ def spy_collect(module, seen: list) -> None:
     """Append every rollout result ``module.collect`` returns to ``seen``."""
     original = module.collect
 
-    def spy(rows):
-        out = original(rows)
+    def spy(rows, member):
+        out = original(rows, member)
         seen.append(out[0])
         return out
 

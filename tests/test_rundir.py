@@ -85,9 +85,9 @@ def test_a_nonfinite_gradient_step_is_skipped_and_counted(tmp_path):
     for p in params:
         p.grad = torch.ones_like(p)
     params[0].grad[0] = float("nan")
-    metrics = {"actor/grad_norm": torch.tensor(float("nan"))}
-    module.skip_if_nonfinite(metrics)
+    health = module.guard_records()[0]
+    health.skip_if_nonfinite([torch.tensor(float("nan"))], params, counted=True)
     assert all(p.grad is None for p in params)  # AdamW leaves the weights as they are
-    assert module.nonfinite_streak == 1 and float(metrics["guard/skipped_steps"]) == 1.0
-    module.skip_if_nonfinite({"actor/grad_norm": torch.tensor(2.0)})
+    assert module.nonfinite_streak == 1 and module.skipped_steps == 1
+    health.skip_if_nonfinite([torch.tensor(2.0)], params, counted=True)
     assert module.nonfinite_streak == 0 and module.skipped_steps == 1

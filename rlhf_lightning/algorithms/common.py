@@ -1,49 +1,27 @@
-"""Pieces every algorithm module shares, online and offline: metric averaging, logging at the
-optimizer step, the optimizer step in order (its parts in ``optimizer.py``), and checkpoints
-that hold trainable weights only."""
+"""Pieces every algorithm module shares, online and offline: logging at the optimizer step,
+manual optimization through a :class:`~rlhf_lightning.learner.stepper.Stepper`, the guard's
+records, and checkpoints that hold trainable weights only."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar
 
 import lightning as L
 import torch
-from lightning.pytorch.core.optimizer import LightningOptimizer
-from torch.optim.lr_scheduler import LRScheduler
 
 from rlhf_lightning.config.algo import OptimConfig
-from rlhf_lightning.learner.optimizer import StepHealth, clip_global_norm, refresh_reference
-from rlhf_lightning.learner.plan import lockstep
+from rlhf_lightning.learner.learner import MetricAccumulator
+from rlhf_lightning.learner.optimizer import StepHealth
 from rlhf_lightning.learner.records import StepSummary
+from rlhf_lightning.learner.stepper import Stepper
 from rlhf_lightning.models.sharding import is_sharded
 from rlhf_lightning.runtime import rng
-from rlhf_lightning.runtime.distributed import all_sum, no_backward_sync, reduce_metrics, sync_gradients
-from rlhf_lightning.runtime.strategies import split_global
+from rlhf_lightning.runtime.distributed import reduce_metrics
 from rlhf_lightning.runtime.workers import close_shared_pools
 
+__all__ = ["MetricAccumulator", "Metrics", "ModuleMixin"]
+
 Metrics = dict[str, torch.Tensor]
-
-
-class MetricAccumulator:
-    """Averages detached metrics over micro-batches (weighted) and updates; ``*_max`` keys keep the max."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, torch.Tensor] = {}
-        self.weights: dict[str, torch.Tensor] = {}
-
-    def add(self, metrics: Metrics, weight: torch.Tensor | float = 1.0) -> None:
-        for k, v in metrics.items():
-            v = v.detach().float()
-            if k.endswith("_max"):
-                self.sums[k] = torch.maximum(self.sums[k], v) if k in self.sums else v
-                self.weights[k] = torch.ones((), device=v.device)
-                continue
-            w = torch.as_tensor(weight, dtype=torch.float32, device=v.device)
-            self.sums[k] = self.sums.get(k, 0) + v * w
-            self.weights[k] = self.weights.get(k, 0) + w
-
-    def result(self) -> Metrics:
-        return {k: self.sums[k] / self.weights[k].clamp(min=1e-12) for k in self.sums}
 
 
 class ModuleMixin(L.LightningModule):
@@ -55,7 +33,6 @@ class ModuleMixin(L.LightningModule):
             fields, ``grad_clip`` and ``ref_update_interval``.
     """
 
-    _grad_metrics: Metrics
     # Whether ``training_step`` generates (rollout algorithms): the engine callback wakes the
     # engine before each training batch only then.
     generates_in_training_step: ClassVar[bool] = False
@@ -68,9 +45,8 @@ class ModuleMixin(L.LightningModule):
         # Checkpoints hold trainable weights only; the frozen base reloads from model.path.
         self.strict_loading = False
         self.policy, self.hp = policy, hp
-        # Steps skipped for a non-finite gradient (checkpointed): one record per optimizer, so
-        # each member of a population side by side has its own streak.
-        self.healths: list[StepHealth] = [StepHealth()]
+        self.stepper = Stepper(self, lambda: self.skipped_steps)
+        self._health = [StepHealth()]  # steps skipped for a non-finite gradient (checkpointed)
 
     @property
     def world_size(self) -> int:
@@ -91,98 +67,21 @@ class ModuleMixin(L.LightningModule):
         if mesh is not None and not self.sharded:
             self.policy.shard(mesh["data_parallel"])
 
-    def per_rank(self, size: int | None, field: str) -> int | None:
-        """A global batch size (``algo.<field>``) split across ranks."""
-        return None if size is None else split_global(size, self.world_size, f"algo.{field}")
-
-    def global_count(self, count: torch.Tensor) -> torch.Tensor:
-        """A count summed over ranks, per rank: each rank's loss is normalised by it, and the
-        gradient average over ranks divides by the world size, so the update is the global one."""
-        return all_sum(count, self.world_size) / self.world_size
-
-    def lockstep(self, chunks: list[torch.Tensor]) -> list[tuple[torch.Tensor, float]]:
-        """The micro-batches to run with their loss weights (:func:`~.update_plan.lockstep`)."""
-        return lockstep(chunks, self.sharded, self.world_size, self.device)
-
-    def backward_(self, loss: torch.Tensor) -> None:
-        """``manual_backward`` without DDP's per-backward all-reduce: gradients accumulate locally
-        and :meth:`optimizer_step_` averages them once, so ranks may run different numbers of
-        passes (skipped rows, refills) and never wait on each other inside a backward."""
-        with no_backward_sync(self.trainer.strategy if self._trainer is not None else None):
-            self.manual_backward(loss)
-
-    def optimizer_step_(self) -> Metrics:
-        """Clip, step, zero the gradients, advance the schedule, refresh the reference on its
-        interval. Returns the gradient norm(s) before clipping.
-
-        Clipping runs in :meth:`on_before_optimizer_step`, which Lightning calls inside
-        ``step()`` after mixed precision has unscaled the gradients.
-        """
-        opt, sched = self.current_optimizer(), self.current_scheduler()
-        self._grad_metrics = {}
-        sync_gradients(self.policy.trainable_parameters(), self.world_size)  # one collective per step
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sched.step()
-        self.maybe_update_reference()
-        return self._grad_metrics
-
-    def optimizer_index(self) -> int | None:
-        """Which of several optimizers steps now (a population's member); None: the only one."""
-        return None
-
-    def current_optimizer(self) -> LightningOptimizer:
-        opts = self.optimizers()
-        i = self.optimizer_index()
-        return cast(LightningOptimizer, opts[i] if isinstance(opts, list) and i is not None else opts)
-
-    def current_scheduler(self) -> LRScheduler:
-        scheds = self.lr_schedulers()
-        i = self.optimizer_index()
-        return cast(LRScheduler, scheds[i] if isinstance(scheds, list) and i is not None else scheds)
-
-    def on_before_optimizer_step(self, optimizer: Any) -> None:
-        self._grad_metrics = self.clip_gradients_(optimizer)
-        self.skip_if_nonfinite(self._grad_metrics)
-
-    @property
-    def health(self) -> StepHealth:
-        """The stepping optimizer's record (a population member's own, side by side)."""
-        i = self.optimizer_index() or 0
-        while len(self.healths) <= i:
-            self.healths.append(StepHealth())
-        return self.healths[i]
+    def guard_records(self) -> list[StepHealth]:
+        """One record of skipped non-finite steps per optimizer (a population member's own)."""
+        return self._health
 
     @property
     def nonfinite_streak(self) -> int:
         """The longest run of skipped steps in a row of any optimizer (the guard stops on it)."""
-        return max(h.nonfinite_streak for h in self.healths)
+        return max(h.nonfinite_streak for h in self.guard_records())
 
     @property
     def skipped_steps(self) -> int:
-        return sum(h.skipped_steps for h in self.healths)
+        return sum(h.skipped_steps for h in self.guard_records())
 
-    def skip_if_nonfinite(self, grad_metrics: Metrics) -> None:
-        """Drop a step's gradients when a gradient norm is not finite (:class:`StepHealth`)."""
-        norms = [v for k, v in grad_metrics.items() if k.endswith("grad_norm")]
-        counted = self._trainer is None or str(self.trainer.precision) not in ("16-mixed", "16")
-        self.health.skip_if_nonfinite(norms, self.policy.trainable_parameters(), counted)
-        grad_metrics["guard/skipped_steps"] = torch.tensor(float(self.skipped_steps))
-
-    def clip_gradients_(self, optimizer: Any) -> Metrics:
-        """Clip all trainable gradients by their global norm (``algo.grad_clip``) through Lightning."""
-        norm = clip_global_norm(
-            self.policy.trainable_parameters(),
-            self.hp.grad_clip,
-            self.world_size,
-            self.sharded,
-            lambda v: self.clip_gradients(optimizer, gradient_clip_val=v, gradient_clip_algorithm="norm"),
-        )
-        return {"actor/grad_norm": norm}
-
-    def maybe_update_reference(self) -> None:
-        """The reference refresh every ``algo.ref_update_interval`` optimizer steps."""
-        refresh_reference(self.policy, self.hp.ref_update_interval, self.global_step)
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.stepper.before_step(optimizer)  # clip, and skip a non-finite step
 
     def log_metrics(self, metrics: Metrics) -> dict[str, float]:
         """Send metrics, averaged over ranks, to every logger at ``step`` = optimizer updates done
@@ -214,12 +113,12 @@ class ModuleMixin(L.LightningModule):
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
         checkpoint["trainable_only"] = True
         checkpoint["rng_states"] = rng.gather(rng.capture(self.rng_generators()), self.world_size)
-        checkpoint["guard"] = {**self.healths[0].state_dict(), "each": [h.state_dict() for h in self.healths]}
+        records = self.guard_records()
+        checkpoint["guard"] = {**records[0].state_dict(), "each": [h.state_dict() for h in records]}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         guard = checkpoint.get("guard", {})
-        self.healths = [StepHealth() for _ in guard.get("each", [guard])]
-        for h, state in zip(self.healths, guard.get("each", [guard])):
+        for h, state in zip(self.guard_records(), guard.get("each", [guard])):
             h.load_state_dict(state)
         states = checkpoint.get("rng_states")
         if states:

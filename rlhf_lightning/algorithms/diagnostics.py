@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 log = logging.getLogger(__name__)
+Metrics = dict[str, torch.Tensor]
 
 MAX_TURN_METRICS = 8
 IS_GAP_WARN, IS_CLIP_WARN = 0.1, 0.02  # nats; share of truncated weights
@@ -88,3 +89,9 @@ def sample_rows(trajectories: list[Any]) -> list[dict[str, Any]]:
         {"prompt": t.prompt_text, "completion": t.completion_text, "reward": sum(t.rewards)}
         for t in trajectories
     ]
+
+
+def mean_over_members(per_member: list[Metrics]) -> Metrics:
+    """Each metric's mean over the members that report it."""
+    keys = sorted(set().union(*per_member))
+    return {k: torch.stack([m[k].float() for m in per_member if k in m]).mean() for k in keys}

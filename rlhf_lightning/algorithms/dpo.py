@@ -24,7 +24,7 @@ class DPOModule(OfflineModule):
         return len(batch) // 2
 
     def normaliser(self, batch: TrajectoryBatch) -> torch.Tensor:
-        return self.global_count(torch.tensor(float(self.units(batch)), device=self.device))
+        return self.stepper.global_count(torch.tensor(float(self.units(batch)), device=self.device))
 
     def pair_rows(self, batch: TrajectoryBatch, index: torch.Tensor) -> torch.Tensor:
         return torch.cat([index, index + self.units(batch)])

@@ -3,6 +3,9 @@ the objective and the estimator are config."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, cast
+
 import torch
 
 from rlhf_lightning.algorithms.base import RolloutModule
@@ -10,15 +13,72 @@ from rlhf_lightning.algorithms.checks import validate_grpo
 from rlhf_lightning.algorithms.common import Metrics
 from rlhf_lightning.algorithms.spec import AlgorithmSpec, register_algorithm
 from rlhf_lightning.config import GRPOConfig
-from rlhf_lightning.config.algo import node_params, registered_name
+from rlhf_lightning.config.algo import RolloutAlgoConfig, node_params, registered_name
+from rlhf_lightning.learner.family import Family
+from rlhf_lightning.learner.learner import Learner
+from rlhf_lightning.learner.member import Member
 from rlhf_lightning.learner.objective import PolicyTerm
 from rlhf_lightning.losses import get_advantage_estimator
 from rlhf_lightning.losses.advantages import ADVANTAGE_ESTIMATORS, informative_groups, postprocess_advantages
 from rlhf_lightning.rollout.harness import RolloutResult
-from rlhf_lightning.rollout.trajectory import TrajectoryBatch, collate
+from rlhf_lightning.rollout.trajectory import Trajectory, TrajectoryBatch, collate
 from rlhf_lightning.runtime.distributed import gather_rows
 
 GROUP_ID_STRIDE = 1 << 20  # rank r's group ids are offset by r * stride when gathered
+
+
+def estimator(hp: GRPOConfig) -> tuple[Callable[..., torch.Tensor], dict[str, Any]]:
+    """``hp.advantage``'s estimator and its keywords: each ``x`` from the node's ``advantage.x``,
+    else the flat ``advantage_x`` (a built-in one's), else the function's own default."""
+    name, own = registered_name(hp.advantage), node_params(hp.advantage)
+    names = ADVANTAGE_ESTIMATORS.meta(name).get("params", ())
+    kwargs = {
+        n: own[n] if n in own else getattr(hp, f"advantage_{n}")
+        for n in names
+        if n in own or hasattr(hp, f"advantage_{n}")
+    }
+    return get_advantage_estimator(name), kwargs
+
+
+class GRPOFamily(Family):
+    """Group-relative advantages (any registered estimator) and any registered objective."""
+
+    def advantages(
+        self,
+        learner: Learner,
+        member: Member,
+        traj: TrajectoryBatch,
+        rewards: torch.Tensor,
+        returns: torch.Tensor,
+        kl_rewards: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        hp = cast(GRPOConfig, member.hp)
+        fn, kwargs = estimator(hp)
+        # Batch-level statistics (advantage_scale=batch, whitening, ReBN) are over every rank's
+        # rows: each rank computes the global advantages and keeps its own (groups never span ranks).
+        ws, rank = learner.world_size, learner.rank
+        all_returns, offset = gather_rows(returns, ws, rank)
+        groups, _ = gather_rows(traj.group_ids + rank * GROUP_ID_STRIDE, ws, rank)
+        adv = fn(all_returns, groups, **kwargs)
+        adv = postprocess_advantages(adv, whiten=hp.whiten_advantages, clip=hp.advantage_clip)
+        return adv[offset : offset + len(returns)]
+
+    def policy_term(self, hp: RolloutAlgoConfig) -> PolicyTerm:
+        grpo = cast(GRPOConfig, hp)
+        return PolicyTerm.bind(grpo.loss, grpo, per_turn=grpo.is_level == "turn")
+
+    def can_skip_zero_advantage(self, hp: RolloutAlgoConfig) -> bool:
+        return cast(GRPOConfig, hp).skip_zero_advantage
+
+
+def informative(result: RolloutResult) -> list[list[Trajectory]]:
+    """The groups of ``result`` whose rewards are not all equal."""
+    keep = informative_groups(result.batch.returns, result.batch.group_ids).tolist()
+    groups: dict[int, list[Trajectory]] = {}
+    for t, k in zip(result.trajectories, keep):
+        if k:
+            groups.setdefault(t.group_id, []).append(t)
+    return list(groups.values())
 
 
 class GRPOModule(RolloutModule):
@@ -32,56 +92,32 @@ class GRPOModule(RolloutModule):
     """
 
     hp: GRPOConfig
+    family = GRPOFamily
 
     def setup(self, stage: str) -> None:
-        name, own = registered_name(self.hp.advantage), node_params(self.hp.advantage)
-        self.advantage_fn = get_advantage_estimator(name)
-        # The estimator's keyword ``x``: the node's ``advantage.x``, else the flat ``advantage_x``
-        # (a built-in one's), else the function's own default.
-        names = ADVANTAGE_ESTIMATORS.meta(name).get("params", ())
-        self.advantage_kwargs = {
-            n: own[n] if n in own else getattr(self.hp, f"advantage_{n}")
-            for n in names
-            if n in own or hasattr(self.hp, f"advantage_{n}")
-        }
+        super().setup(stage)
         # Refill prompts differ per rank (each rank draws its own).
         self.row_generator = torch.Generator().manual_seed(torch.initial_seed() % 2**31 + 7919 * self.rank)
 
     def rng_generators(self) -> dict[str, torch.Generator]:
         return {"refill_rows": self.row_generator}
 
-    def compute_advantages(
-        self, traj: TrajectoryBatch, rewards: torch.Tensor, returns: torch.Tensor
-    ) -> torch.Tensor:
-        # Batch-level statistics (advantage_scale=batch, whitening, ReBN) are over every rank's
-        # rows: each rank computes the global advantages and keeps its own (groups never span ranks).
-        all_returns, offset = gather_rows(returns, self.world_size, self.rank)
-        groups, _ = gather_rows(traj.group_ids + self.rank * GROUP_ID_STRIDE, self.world_size, self.rank)
-        adv = self.advantage_fn(all_returns, groups, **self.advantage_kwargs)
-        adv = postprocess_advantages(adv, whiten=self.hp.whiten_advantages, clip=self.hp.advantage_clip)
-        return adv[offset : offset + len(returns)]
-
-    def policy_term(self) -> PolicyTerm:
-        return PolicyTerm.bind(self.hp.loss, self.hp, per_turn=self.hp.is_level == "turn")
-
-    def can_skip_zero_advantage(self) -> bool:
-        return self.hp.skip_zero_advantage
-
     # ---------------------------------------------------------------- DAPO dynamic sampling
-    def collect(self, rows: list[int]) -> tuple[RolloutResult, Metrics]:
-        result, first = self.training_rollout(rows)  # refills below: now, with the current weights
-        if not self.hp.dynamic_sampling:
+    def collect(self, rows: list[int], member: Member) -> tuple[RolloutResult, Metrics]:
+        result, first = super().collect(rows, member)  # refills below: now, with the current weights
+        hp = cast(GRPOConfig, member.hp)
+        if not hp.dynamic_sampling:
             return result, first
         target = len(rows)
-        kept = self.informative(result)
-        dropped = len(result.trajectories) // self.hp.group_size - len(kept)
+        kept = informative(result)
+        dropped = len(result.trajectories) // hp.group_size - len(kept)
         rounds = 0
-        while len(kept) < target and rounds < self.hp.max_resample_rounds and self.num_train_rows:
+        while len(kept) < target and rounds < hp.max_resample_rounds and self.num_train_rows:
             extra = torch.randint(
                 self.num_train_rows, (target - len(kept),), generator=self.row_generator
             ).tolist()
-            more = self.rollout(extra, self.sampling, group_size=self.hp.group_size)
-            new = self.informative(more)
+            more = self.rollout(extra, member.sampling, group_size=hp.group_size)
+            new = informative(more)
             dropped += len(extra) - len(new)
             kept += new
             rounds += 1
@@ -100,15 +136,6 @@ class GRPOModule(RolloutModule):
                 trajectories.append(t)
         batch = collate(trajectories, self.harness.tokenizer.pad_token_id)
         return RolloutResult(batch, trajectories, result.metrics), metrics
-
-    def informative(self, result: RolloutResult) -> list[list]:
-        """The groups of ``result`` whose rewards are not all equal."""
-        keep = informative_groups(result.batch.returns, result.batch.group_ids).tolist()
-        groups: dict[int, list] = {}
-        for t, k in zip(result.trajectories, keep):
-            if k:
-                groups.setdefault(t.group_id, []).append(t)
-        return list(groups.values())
 
 
 register_algorithm(

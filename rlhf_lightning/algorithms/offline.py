@@ -18,6 +18,7 @@ from rlhf_lightning.models.policy import Policy
 from rlhf_lightning.rollout.engine import RolloutEngine, SamplingParams
 from rlhf_lightning.rollout.harness import RolloutHarness
 from rlhf_lightning.rollout.trajectory import TrajectoryBatch
+from rlhf_lightning.runtime.strategies import split_global
 
 log = logging.getLogger(__name__)
 
@@ -71,19 +72,22 @@ class OfflineModule(RolloutEvaluation):
     def training_step(self, batch: TrajectoryBatch, batch_idx: int) -> None:
         t0 = time.perf_counter()
         norm = self.normaliser(batch)
-        micro = self.per_rank(self.hp.micro_batch_size, "micro_batch_size") or self.units(batch)
+        size = self.hp.micro_batch_size
+        micro = split_global(size, self.world_size, "algo.micro_batch_size") if size else self.units(batch)
         acc = MetricAccumulator()
         total = torch.zeros((), device=self.device)
-        for index, weight in self.lockstep(
+        for index, weight in self.stepper.lockstep(
             list(torch.arange(self.units(batch), device=self.device).split(micro))
         ):
             loss, m = self.unit_loss(batch, index, norm)
-            self.backward_(loss * weight)
+            self.stepper.backward(loss * weight)
             if not weight:
                 continue  # FSDP padding (see lockstep)
             total = total + loss.detach()
             acc.add(m, weight=float(len(index)))
-        grad_metrics = self.optimizer_step_()
+        clip = lambda optimizer: self.stepper.clip_all(optimizer, self.hp.grad_clip)  # noqa: E731
+        grad_metrics = self.stepper.step(None, self._health[0], clip)
+        self.stepper.refresh_reference(self.hp.ref_update_interval, self.global_step)
         metrics = acc.result()
         metrics.update(
             {

@@ -20,7 +20,7 @@ class SFTModule(OfflineModule):
     hp: SFTConfig
 
     def normaliser(self, batch: TrajectoryBatch) -> torch.Tensor:
-        return self.global_count(batch.action_mask.sum().float()).clamp(min=1.0)
+        return self.stepper.global_count(batch.action_mask.sum().float()).clamp(min=1.0)
 
     def unit_loss(
         self, batch: TrajectoryBatch, index: torch.Tensor, norm: torch.Tensor

@@ -1,4 +1,4 @@
-"""The records one training step hands from stage to stage: what ``compute_advantages`` found
+"""The records one training step hands from stage to stage: what a family's ``advantages`` found
 (advantages, and a critic's targets) and what scoring decided (advantages, the loss mask, the
 metrics). Every stage takes them as arguments; no stage leaves state on the module or the
 objective for a later one to read.
@@ -48,7 +48,7 @@ class CriticTargets:
 
 @dataclass(frozen=True)
 class Advantages:
-    """What ``compute_advantages`` returns.
+    """What a family's ``advantages`` returns.
 
     Args:
         tokens: per trajectory (B,) or per token (B, T).
@@ -73,6 +73,9 @@ class Scored:
         mask: the action tokens that count in the loss. (B, T)
         metrics: scoring metrics (detached, on the CPU).
         critic, level: as in :class:`Advantages`.
+        old_logp: the behaviour log-probs the ratios use (B, T), None when the update is
+            on-policy (its own, detached).
+        ref_logp: the reference's log-probs (B, T), None without a KL.
     """
 
     adv: torch.Tensor
@@ -80,6 +83,8 @@ class Scored:
     metrics: Metrics
     critic: CriticTargets | None = None
     level: str | None = None
+    old_logp: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,10 @@
 
 A member is the trainable weights (actor adapter, and PPO's critic adapter and value head), its
 own reference adapter when the reference moves (``algo.ref_update_interval``), its optimizer and
-scheduler state, the module's per-member counters (PPO's critic warm-up) and its
-hyper-parameters. One member at a time is *resident*: its weights sit in the policy's adapter
-slots, its state in Lightning's optimizer and scheduler, its hyper-parameters in ``module.hp``
-and ``module.sampling``. The others are copies off the model (a few adapters' memory, never N
+scheduler state, its counters (PPO's critic warm-up) and its hyper-parameters. One member at a
+time is *resident*: its weights sit in the policy's adapter slots, its state in Lightning's
+optimizer and scheduler, its hyper-parameters, sampling and counters in the learner
+:class:`~rlhf_lightning.learner.member.Member` this callback's schedule hands the module. The others are copies off the model (a few adapters' memory, never N
 models). Training steps go round-robin over the members (the trainer's optimizer steps count
 them all; each member's warm-up and cosine schedule spans its own share of them). Every
 ``population.evolve_every`` steps each member is scored on a held-out slice at one sampling
@@ -30,14 +30,16 @@ from typing import Any
 import lightning as L
 import torch
 
+from rlhf_lightning.learner.member import Member as LearnerMember
+from rlhf_lightning.learner.member import OneMember
 from rlhf_lightning.learner.records import StepSummary
 from rlhf_lightning.population.evolution import FITNESS
 from rlhf_lightning.population.generations import LINEAGE_FIELDS, Generations
 from rlhf_lightning.population.members import KEEP_SNAPSHOTS, Member
-from rlhf_lightning.population.resident import MEMBER_COUNTERS, ResidentMember
+from rlhf_lightning.population.resident import ResidentMember
 from rlhf_lightning.runtime.schedule import warmup_cosine
 
-__all__ = ["FITNESS", "KEEP_SNAPSHOTS", "LINEAGE_FIELDS", "MEMBER_COUNTERS", "Member", "Population"]
+__all__ = ["FITNESS", "KEEP_SNAPSHOTS", "LINEAGE_FIELDS", "Member", "Population"]
 
 
 class Population(ResidentMember, Generations, L.Callback):
@@ -60,6 +62,14 @@ class Population(ResidentMember, Generations, L.Callback):
         self.resident: int | None = None  # the slot whose state is on the model
         self._base_hp: Any = None
         self._ref_interval: int | None = None  # members' own references move every this many updates
+        self.member_schedule: OneMember | None = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Before the module's setup: the resident's learner state, the schedule it learns by."""
+        if stage == "fit" and self.member_schedule is None:
+            module: Any = pl_module
+            state = module.learner.family.initial_state()
+            self.member_schedule = OneMember(LearnerMember(module.hp, module.sampling, state=state))
 
     # ------------------------------------------------------------------ Lightning hooks
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -1,9 +1,10 @@
 """The resident member of a population: the one whose state is on the model.
 
 Its weights sit in the policy's adapter slots (and its own reference adapter, when the reference
-moves), its optimizer and scheduler state in Lightning's, its counters on the module and its
-hyper-parameters in ``module.hp`` and ``module.sampling``. :class:`ResidentMember` swaps members
-in and out (copies); :class:`~rlhf_lightning.population.callback.Population` mixes it in.
+moves), its optimizer and scheduler state in Lightning's, its hyper-parameters, sampling and
+counters in the one :class:`~rlhf_lightning.learner.member.Member` of the population's schedule
+(which the module learns with). :class:`ResidentMember` swaps members in and out (copies);
+:class:`~rlhf_lightning.population.callback.Population` mixes it in.
 """
 
 from __future__ import annotations
@@ -15,10 +16,9 @@ from typing import Any, cast
 import torch
 
 from rlhf_lightning.config.algo import RolloutAlgoConfig, with_hparams
+from rlhf_lightning.learner.member import OneMember
 from rlhf_lightning.learner.optimizer import set_base_lrs
 from rlhf_lightning.population.members import Member, copy_into
-
-MEMBER_COUNTERS = ("learn_steps",)  # module attributes each member carries (PPO's critic warm-up)
 
 
 class ResidentMember:
@@ -27,6 +27,7 @@ class ResidentMember:
     The attributes below are set by ``Population.__init__`` and ``on_fit_start``."""
 
     module: Any
+    member_schedule: OneMember | None  # the resident's learner state (the module takes it at setup)
     members: list[Member]
     resident: int | None  # the slot whose state is on the model
     _base_hp: RolloutAlgoConfig
@@ -49,8 +50,14 @@ class ResidentMember:
         name = policy.reference_adapter if self._ref_interval else None
         return [] if name is None else [p for n, p in policy.named_parameters() if f".{name}." in n]
 
+    @property
+    def learner_member(self) -> Any:
+        assert self.member_schedule is not None, "the population is set up at the fit's setup"
+        return self.member_schedule.members[0]
+
     def counters(self) -> dict[str, int]:
-        return {k: int(getattr(self.module, k)) for k in MEMBER_COUNTERS if hasattr(self.module, k)}
+        """The resident's own counters (PPO's ``learn_steps``)."""
+        return dict(self.learner_member.state)
 
     def capture(self, member_id: int, hparams: dict[str, float], parent: int | None = None) -> Member:
         """The resident state as a new member (copies)."""
@@ -94,9 +101,8 @@ class ResidentMember:
             self.module.engine.invalidate()  # another member's weights: the engine syncs before sampling
 
     def apply_hparams(self, hp: dict[str, float], counters: dict[str, int] | None = None) -> None:
-        """The resident's learning rates here, then the module adopts its hyper-parameters,
-        sampling and ``counters`` (``RolloutModule.adopt_member``: nothing here writes into the
-        module)."""
+        """The resident's learning rates, hyper-parameters, sampling and ``counters`` (kept when
+        None or empty): its learner state, which the module learns with."""
         module = self.module
         values: dict[str, Any] = dict(hp)
         if self._ref_interval:  # the population refreshes each member's own reference (refresh_reference)
@@ -110,7 +116,10 @@ class ResidentMember:
         if critic_lr is not None and len(lrs) > 1:
             lrs[1] = critic_lr  # PPO's critic keeps its own configured lr
         set_base_lrs(opt, sched, lrs)
-        module.adopt_member(with_hparams(self._base_hp, values), sampling, counters or {})
+        member = self.learner_member
+        member.set_hp(with_hparams(self._base_hp, values), sampling)
+        if counters:
+            member.state = dict(counters)
 
     def refresh_reference(self) -> None:
         """Copy the resident's actor onto its own reference after every ``ref_update_interval``-th

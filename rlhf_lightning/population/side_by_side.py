@@ -1,14 +1,14 @@
 """Population training with members side by side (``population.batched=true``).
 
-The members live on the module (:class:`~rlhf_lightning.algorithms.members.MemberAPI`): one
-named LoRA adapter, optimizer and schedule each. Every training step (a *population step*) is
-one rollout for every member and one update of each (``population_step.py``), so
+The members are this callback's schedule (:class:`~rlhf_lightning.population.bank.SideBySide`),
+which the module takes at setup: one named LoRA adapter, optimizer and schedule each. Every
+training step (a *population step*) is one rollout for every member and one update of each, so
 ``trainer.max_steps`` counts member updates: population steps x members x optimizer steps per
 batch (both are logged: ``population/steps``, ``population/member_updates``). Every
 ``population.evolve_every`` population steps each member is scored on the held-out rows at one
 temperature, all members in one engine call; tournament selection with elitism picks each slot's
 parent, which is copied into the slot (adapters in place, optimizer and schedule state) and
-mutated through the module, which checks every value like a start-up value. This callback keeps
+mutated, every value checked like a start-up value. This callback keeps
 the bookkeeping: ids, parents, fitness, the lineage and snapshots.
 """
 
@@ -23,6 +23,7 @@ from typing import Any
 import lightning as L
 import torch
 
+from rlhf_lightning.population.bank import SideBySide
 from rlhf_lightning.population.checks import check_member
 from rlhf_lightning.population.generations import Generations
 from rlhf_lightning.population.members import Member
@@ -41,11 +42,12 @@ class SideBySidePopulation(Generations, L.Callback):
     counts population steps (every member updated once each)."""
 
     every_multiple_of_size = False
+    member_schedule: SideBySide | None = None  # the module takes it at setup
 
     # ------------------------------------------------------------------ Lightning hooks
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        """Before the optimizers are configured: the members on the module (a resume then loads
-        the checkpoint's over them)."""
+        """Before the module's setup and its optimizers: the members side by side on the base (a
+        resume then loads the checkpoint's over them)."""
         if stage != "fit" or self.members:
             return
         module: Any = pl_module
@@ -54,12 +56,20 @@ class SideBySidePopulation(Generations, L.Callback):
         self._algo = dataclasses.asdict(module.hp)
         self.check_space("lora" if module.policy.is_peft else "full", trainer.world_size)
         self.first_generation(lambda member_id, hp: Member(member_id, dict(hp)), trainer.global_step)
-        module.enable_members([m.hparams for m in self.members], check_member)
+        self.member_schedule = SideBySide(module, [m.hparams for m in self.members], check_member)
+        self.member_schedule.check_steps(trainer.max_steps, trainer.world_size)
+
+    @property
+    def bank(self) -> SideBySide:
+        assert self.member_schedule is not None, "the population is set up at the fit's setup"
+        return self.member_schedule
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._restored is not None:  # a resume: the checkpoint's bookkeeping (the module has its members)
             self.restore_bookkeeping(self._restored)
             self._restored = None
+            for k, m in enumerate(self.members):  # Lightning restored the optimizers and schedules
+                self.bank.adopt_hparams(k, m.hparams)
         self.write_lineage(trainer)
 
     def on_train_batch_end(
@@ -74,7 +84,7 @@ class SideBySidePopulation(Generations, L.Callback):
         self.maybe_snapshot(trainer)
 
     def show(self, slot: int) -> None:
-        self.module.show_member(slot)
+        self.bank.show(slot)
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: Any) -> None:
         """The fittest member (by its last fitness; slot 0 before any member is scored) in the
@@ -102,30 +112,30 @@ class SideBySidePopulation(Generations, L.Callback):
     # ------------------------------------------------------------------ generations
     def member_results(self, rows: list[int], temperature: float) -> list[Any]:
         """Every member's evaluation episodes for ``rows``, all in one engine call."""
-        return self.module.score_members(rows, temperature)
+        return self.bank.score_members(rows, temperature)
 
     def place(self, parents: list[int]) -> None:
-        """Copy each slot's parent into it through the module (adapters in place, optimizer and
-        schedule state), with the slot's new hyper-parameters (checked by the module)."""
-        states = [self.module.member_state(p) for p in parents]  # copies, before any slot is overwritten
+        """Copy each slot's parent into it (adapters in place, optimizer and schedule state,
+        counters), with the slot's new hyper-parameters (checked first)."""
+        states = [self.bank.member_state(p) for p in parents]  # copies, before any slot is overwritten
         for slot, state in enumerate(states):
-            self.module.load_member_state(slot, state | {"hparams": dict(self.members[slot].hparams)})
+            self.bank.load_member_state(slot, state | {"hparams": dict(self.members[slot].hparams)})
 
     def member_digest(self, slot: int) -> list[float]:
         """Two numbers per weight tensor, in name order: its sum and a position-weighted sum
         (float64), so tensors in other slots, values moved within a tensor and drifts that
         cancel out in a sum all show."""
-        weights = self.module.member_weights(slot)
+        weights = self.bank.member_weights(slot)
         return [v for name in sorted(weights) for v in tensor_digest(weights[name])]
 
     # ------------------------------------------------------------------ state
     def population_state(self, with_members: bool = False) -> dict[str, Any]:
-        """The bookkeeping (the module's checkpoint holds the members); ``with_members``: each
+        """The bookkeeping (the module's checkpoint holds the members' weights); ``with_members``: each
         member's whole state too (a snapshot)."""
         members = [dataclasses.asdict(m) for m in self.members]
         if with_members:
             for k, m in enumerate(members):
-                state = self.module.member_state(k)
+                state = self.bank.member_state(k)
                 state["weights"] = {n: w.cpu() for n, w in state["weights"].items()}
                 m["state"] = state
         return {

@@ -41,7 +41,7 @@ def run_spec(spec: dict) -> None:
         paths = spec["trajectories"] if isinstance(spec["trajectories"], list) else [spec["trajectories"]]
         per_step = [torch.load(p, weights_only=False) for p in paths]
 
-        def collect(rows):  # this rank's contiguous share of the groups of this step's batch
+        def collect(rows, member):  # this rank's contiguous share of the groups of this step's batch
             trajectories = per_step[module.trainer.global_step % len(per_step)]
             groups = sorted({t.group_id for t in trajectories})
             r = module.trainer.global_rank
@@ -53,11 +53,11 @@ def run_spec(spec: dict) -> None:
     elif spec.get("record_rows"):  # which prompt rows each rank trains on (the data module's own split)
         original_collect = module.collect
 
-        def recording(rows):
+        def recording(rows, member):
             path = Path(f"{spec['record_rows']}.rank{module.trainer.global_rank}.json")
             seen = json.loads(path.read_text()) if path.exists() else []
             path.write_text(json.dumps([*seen, rows]))
-            return original_collect(rows)
+            return original_collect(rows, member)
 
         module.collect = recording
     else:
@@ -75,13 +75,13 @@ def run_spec(spec: dict) -> None:
         return (t.full_tensor() if is_dtensor(t) else t).detach().clone()
 
     grads: list[dict[str, torch.Tensor]] = []  # the averaged gradients of each optimizer step
-    original = module.clip_gradients_
+    original = module.stepper.before_step  # the clip and the non-finite check, in optimizer.step()
 
     def record(optimizer):
         grads.append({n: full(p.grad) for n, p in module.named_parameters() if p.grad is not None})
         return original(optimizer)
 
-    module.clip_gradients_ = record
+    module.stepper.before_step = record
     step_metrics: list[dict[str, float]] = []
 
     class Record(L.Callback):

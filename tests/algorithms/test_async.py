@@ -39,14 +39,14 @@ BIG = [*ASYNC, "rollout.max_staleness=1", "algo.prompts_per_step=8", "algo.group
 
 def record_rollouts(module, seen: list) -> None:
     """Append (step, rollout result) for every training rollout to ``seen``."""
-    original = module.training_rollout
+    original = module.collect
 
-    def spy(rows_):
-        out = original(rows_)
+    def spy(rows_, member):
+        out = original(rows_, member)
         seen.append((module.collector.batches_done, out[0]))
         return out
 
-    module.training_rollout = spy
+    module.collect = spy
 
 
 def record_versions(module, versions: dict) -> None:
@@ -63,13 +63,13 @@ def record_versions(module, versions: dict) -> None:
 
 def record_updates(module, updates: list) -> None:
     """Append (step, trajectories, the ratio's old log-probs) for every update to ``updates``."""
-    original = module.update
+    original = module.learner.update
 
-    def spy(traj, scored, old_logp, ref_logp):
-        updates.append((module.collector.batches_done, traj, old_logp.detach().clone()))
-        return original(traj, scored, old_logp, ref_logp)
+    def spy(traj, scored, member):
+        updates.append((module.collector.batches_done, traj, scored.old_logp.detach().clone()))
+        return original(traj, scored, member)
 
-    module.update = spy
+    module.learner.update = spy
 
 
 @torch.no_grad()

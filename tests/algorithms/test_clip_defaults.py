@@ -61,6 +61,6 @@ def test_the_module_binds_the_resolved_bounds(tmp_path):
 
     cfg = compose_config([*FAST, "algo=grpo", "algo.loss=gspo"], output_dir=tmp_path / "run")
     module, _ = build(cfg, tmp_path)
-    term = module.build_objective().term
+    term = module.learner.objective(module.schedule.members[0]).term
     assert term.name == "gspo"
     assert (term.kwargs["clip_low"], term.kwargs["clip_high"]) == (3e-4, 4e-4)

@@ -68,14 +68,14 @@ def fit_recording_chunks(tmp_path, overrides: list[str]):
     chunks: list[tuple[int, int]] = []
 
     def hook(module):
-        original = module.micro_step
+        original = module.learner.micro_step
 
-        def spy(step, index, *args, **kwargs):
+        def spy(step, member, index, *args, **kwargs):
             width = int(step.traj.attention_mask[index].sum(-1).max())
             chunks.append((len(index), len(index) * width))
-            return original(step, index, *args, **kwargs)
+            return original(step, member, index, *args, **kwargs)
 
-        module.micro_step = spy
+        module.learner.micro_step = spy
 
     module, _ = fit_steps(cfg, tmp_path, steps=4, module_hook=hook)
     params = {n: p.detach().clone() for n, p in module.policy.named_parameters() if p.requires_grad}

@@ -78,13 +78,13 @@ def test_dynamic_sampling_refills_the_batch_with_informative_groups(tmp_path):
     seen = []
 
     def hook(module):
-        original = module.update
+        original = module.learner.update
 
-        def spy(traj, scored, *args):
+        def spy(traj, scored, member):
             seen.append((traj.group_ids.clone(), scored.adv.clone()))
-            return original(traj, scored, *args)
+            return original(traj, scored, member)
 
-        module.update = spy
+        module.learner.update = spy
 
     _, trainer = fit_steps(cfg, tmp_path, steps=3, module_hook=hook)
     assert len(seen) == 3
@@ -133,7 +133,9 @@ def test_offpolicy_masks_and_overlong_penalty_are_logged(fast_cfg, tmp_path):
 def test_use_liger_loss_falls_back_on_cpu_with_one_warning(fast_cfg, tmp_path, caplog):
     with caplog.at_level("WARNING"):
         module, _ = fit_steps(fast_cfg("algo.use_liger_loss=true"), tmp_path, steps=2)
-    assert module.use_liger is False
+    from rlhf_lightning.learner.liger_path import LigerObjective
+
+    assert not isinstance(module.learner.objective(module.schedule.members[0]), LigerObjective)
     messages = [r.getMessage() for r in caplog.records if "use_liger_loss" in r.getMessage()]
     assert len(messages) == 1 and "need a GPU" in messages[0]
 

@@ -22,14 +22,14 @@ def record_levels(levels: list):
     """A ``fit_steps`` hook that records each step's ``Scored.level`` (turn | token)."""
 
     def hook(module):
-        original = module.score
+        original = module.learner.score
 
-        def spy(*args):
-            scored = original(*args)
+        def spy(*args, **kwargs):
+            scored = original(*args, **kwargs)
             levels.append(scored.level)
             return scored
 
-        module.score = spy
+        module.learner.score = spy
 
     return hook
 
@@ -51,7 +51,7 @@ def test_critic_warmup_leaves_the_actor_bit_identical(tmp_path):
         "the actor moved during critic warm-up"
     )
     assert any(not torch.equal(a, b) for a, b in zip(critic, start["critic"])), "the critic did not learn"
-    assert module.learn_steps == 3
+    assert module.schedule.members[0].state["learn_steps"] == 3
     module, _ = fit_steps(cfg, tmp_path, steps=5, module_hook=snapshot)
     moved = [
         not torch.equal(a, b) for a, b in zip(module.policy.trainable_parameters("actor"), start["actor"])

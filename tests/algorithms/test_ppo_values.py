@@ -39,6 +39,11 @@ def module(table: torch.Tensor, **hp) -> PPOModule:
     return PPOModule(StubCritic(table), None, None, SamplingParams(max_new_tokens=4), cfg)  # type: ignore[arg-type]
 
 
+def advantages(m: PPOModule, batch, rewards):
+    """The family's advantages of ``batch`` for the module's one member."""
+    return m.learner.family.advantages(m.learner, m.schedule.members[0], batch, rewards, rewards.sum(-1))
+
+
 def trajectory(tokens, turns, rewards, finish, truncated, cut=None):
     lengths = [turns.count(k) for k in range(len(rewards))]
     return Trajectory(
@@ -71,7 +76,7 @@ def test_perfect_critic_state_value_is_the_baseline():
     expected = {"state": (0.7, -0.3), "mean": (0.35, -0.15), "final_value": (0.0, 0.0)}
     for reduction, (a0, a1) in expected.items():
         m = module(table, turn_value_reduction=reduction)
-        adv = m.compute_advantages(batch, rewards, rewards.sum(-1)).tokens
+        adv = advantages(m, batch, rewards).tokens
         torch.testing.assert_close(adv[0, 1:3], torch.tensor([a0, a0]), atol=1e-6, rtol=0)
         torch.testing.assert_close(adv[1, 1:3], torch.tensor([a1, a1]), atol=1e-6, rtol=0)
     assert PPOConfig().turn_value_reduction == "state"
@@ -93,7 +98,7 @@ def test_single_turn_bootstraps_only_when_stopped_before_the_end(ended, bootstra
     table = torch.tensor([[0.0, 0.3, 0.8, 0.5, 9.0]])  # column 3: after the last token (bootstrap)
     m = module(table, gamma=1.0, gae_lambda=1.0, bootstrap_cut_replies=bootstrap_cut)
     rewards = batch.rewards.float()
-    found = m.compute_advantages(batch, rewards, rewards.sum(-1))
+    found = advantages(m, batch, rewards)
     adv = found.tokens
     boots = ended == "stopped" or (ended == "cut" and bootstrap_cut)
     want = 0.0 + (0.5 if boots else 0.0) - 0.3
@@ -130,7 +135,7 @@ def test_a_cut_reply_the_env_scored_is_terminal(tiny_tokenizer, reward):
     table[0, p - 1], table[0, p], table[0, p + 1] = 0.3, 0.6, 0.9
     m = module(table, gamma=1.0, gae_lambda=1.0, advantage_granularity="token")
     rewards = batch.rewards.float()
-    found = m.compute_advantages(batch, rewards, rewards.sum(-1))
+    found = advantages(m, batch, rewards)
     adv = found.tokens
     # token-level GAE with lambda = gamma = 1 and V_end = 0: A_t = r - V(s_t)
     torch.testing.assert_close(adv[0, p - 1 : p + 1], torch.tensor([reward - 0.3, reward - 0.6]))
@@ -154,7 +159,7 @@ def test_two_turns_gae_by_hand(ended, bootstrap_cut):
     gamma, lam = 0.9, 0.8
     m = module(table, gamma=gamma, gae_lambda=lam, bootstrap_cut_replies=bootstrap_cut)
     rewards = batch.rewards.float()
-    found = m.compute_advantages(batch, rewards, rewards.sum(-1))
+    found = advantages(m, batch, rewards)
     adv = found.tokens
     boot = vb if ended == "stopped" or (ended == "cut" and bootstrap_cut) else 0.0
     d1 = 1.0 + gamma * boot - v1
@@ -204,7 +209,7 @@ def test_kl_in_reward_is_each_tokens_own_reward(granularity):
         table, beta=beta, kl_mode="reward", kl_estimator="k1", kl_clamp=None, gamma=gamma, gae_lambda=lam,
         advantage_granularity=granularity,
     )  # fmt: skip
-    adv = m.score(batch, old, ref).adv
+    adv = m.learner.score_with(batch, m.schedule.members[0], old, ref).adv
     kl_t = [o - r for o, r in zip(old[0, 1:].double().tolist(), ref[0, 1:].double().tolist())]  # k1
     if granularity == "token":
         r = [-beta * k for k in kl_t]

@@ -48,13 +48,13 @@ def test_reference_equals_actor_right_after_each_refresh(tmp_path, family):
     seen: list[bool] = []
 
     def hook(module):
-        original = module.maybe_update_reference
+        original = module.stepper.refresh_reference  # after every optimizer step
 
-        def spy():
-            original()
+        def spy(interval, done):
+            original(interval, done)
             seen.append(actor_equals_reference(module.policy))
 
-        module.maybe_update_reference = spy
+        module.stepper.refresh_reference = spy
 
     fit_steps(cfg, tmp_path, steps=4, module_hook=hook)
     # after optimizer steps 1..4: refreshed at 2 and 4, moved away in between

@@ -10,6 +10,7 @@ import torch
 from rlhf_lightning.algorithms import AlgorithmSpec, RolloutModule, register_algorithm
 from rlhf_lightning.algorithms.checks import validate_rollout_algo
 from rlhf_lightning.config import RolloutAlgoConfig
+from rlhf_lightning.learner.family import Family
 from rlhf_lightning.learner.objective import PolicyTerm
 
 
@@ -19,12 +20,16 @@ class ToyConfig(RolloutAlgoConfig):
     module: str = "tests.algorithms.toy_family"
 
 
-class ToyModule(RolloutModule):
-    def compute_advantages(self, traj, rewards: torch.Tensor, returns: torch.Tensor) -> torch.Tensor:
+class ToyFamily(Family):
+    def advantages(self, learner, member, traj, rewards, returns, kl_rewards=None) -> torch.Tensor:
         return returns - returns.mean()  # (B,)
 
-    def policy_term(self) -> PolicyTerm:
-        return PolicyTerm.bind("reinforce", self.hp)
+    def policy_term(self, hp: RolloutAlgoConfig) -> PolicyTerm:
+        return PolicyTerm.bind("reinforce", hp)
+
+
+class ToyModule(RolloutModule):
+    family = ToyFamily
 
 
 register_algorithm(AlgorithmSpec("toy", ToyModule, ToyConfig, validate=validate_rollout_algo))

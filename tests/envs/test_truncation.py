@@ -10,6 +10,7 @@ from rlhf_lightning.algorithms.base import RolloutModule
 from rlhf_lightning.config import GRPOConfig
 from rlhf_lightning.envs.arithmetic import ArithmeticEnv
 from rlhf_lightning.envs.guess_number import GuessNumberEnv
+from rlhf_lightning.learner.family import Family
 from rlhf_lightning.losses.corrections import overlong_penalty
 from rlhf_lightning.rollout.engine import SamplingParams
 from rlhf_lightning.rollout.harness import ChatFormatter, RolloutHarness
@@ -59,14 +60,25 @@ def test_turn_lengths_and_starts_per_turn(tiny_tokenizer):
         assert b.action_mask[0, start]
 
 
-def _module(**hp) -> RolloutModule:
-    class Plain(RolloutModule):
-        def compute_advantages(self, traj, rewards, returns):
-            self.seen = rewards
-            return returns
+class Plain(Family):
+    """The returns as advantages; the shaped per-turn rewards it saw kept."""
 
+    def advantages(self, learner, member, traj, rewards, returns, kl_rewards=None):
+        self.seen = rewards
+        return returns
+
+
+class PlainModule(RolloutModule):
+    family = Plain
+
+
+def _module(**hp) -> RolloutModule:
     cfg = GRPOConfig(**hp)
-    return Plain(None, None, None, SamplingParams(max_new_tokens=128), cfg)  # type: ignore[arg-type]
+    return PlainModule(None, None, None, SamplingParams(max_new_tokens=128), cfg)  # type: ignore[arg-type]
+
+
+def score(m: RolloutModule, batch):
+    return m.learner.score_with(batch, m.schedule.members[0], None, None)
 
 
 def test_overlong_penalty_applies_to_each_turn_from_its_own_length():
@@ -86,9 +98,9 @@ def test_overlong_penalty_applies_to_each_turn_from_its_own_length():
     )
     batch = collate([t, t], pad_token_id=0)
     m = _module(overlong_buffer=32, overlong_penalty_factor=1.0)
-    scored = m.score(batch, None, None)
+    scored = score(m, batch)
     adv, metrics = scored.adv, scored.metrics
-    torch.testing.assert_close(m.seen[0], torch.tensor([-0.125, -0.125, 0.875]))
+    torch.testing.assert_close(m.learner.family.seen[0], torch.tensor([-0.125, -0.125, 0.875]))
     torch.testing.assert_close(adv, torch.tensor([1.0 - 0.375, 1.0 - 0.375]))
     torch.testing.assert_close(metrics["rollout/overlong_penalty"], torch.tensor(-0.375))
     # the function itself, by hand
@@ -113,7 +125,7 @@ def test_mask_truncated_drops_cut_and_unfinished_episodes_from_the_loss():
 
     # cut and scored by the env; ended by the turn limit; finished
     batch = collate([traj("length", False), traj("stop", True), traj("stop", False)], pad_token_id=0)
-    scored = _module(mask_truncated=True).score(batch, None, None)
+    scored = score(_module(mask_truncated=True), batch)
     mask, metrics = scored.mask, scored.metrics
     assert not mask[0].any() and not mask[1].any() and mask[2].sum() == 2
     assert metrics["rollout/masked_truncated_frac"] == pytest.approx(2 / 3)

@@ -117,7 +117,9 @@ def test_each_member_keeps_and_refreshes_its_own_reference(tmp_path):
                     {k: w.clone() for k, w in zip(ref_names, pop.members[slot].reference)},
                 )
             )
-            assert pl_module.hp.ref_update_interval is None  # the population refreshes, per member
+            # the population refreshes, per member: its learner member's setting, not the module's
+            assert pl_module.schedule.members[0].hp.ref_update_interval is None
+            assert pl_module.hp.ref_update_interval == 2
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             _, slot = resident_of(trainer)
@@ -145,11 +147,13 @@ def test_each_member_keeps_and_refreshes_its_own_reference(tmp_path):
 
 @pytest.mark.slow
 def test_each_ppo_member_has_its_own_critic_warm_up(tmp_path):
+    from rlhf_lightning.algorithms.ppo import warming_up
+
     warming = []
 
     class Watch(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            warming.append(pl_module.warming_up)
+            warming.append(warming_up(pl_module.schedule.members[0]))  # the resident's learner state
 
     overrides = [
         *POP, "algo=ppo", "algo.critic_warmup_steps=1", "population.evolve_every=0", "trainer.max_steps=4", *QUIET

@@ -1,5 +1,6 @@
-"""Nothing in ``population/`` writes into the module: it calls the module's methods
-(``adopt_member``, ``load_member_state``, ...), so the module's state changes only in the module."""
+"""Nothing in ``population/`` writes into the module: a population's state lives in its own
+schedule (the ``Member`` records the module learns with, the adapters' copies), so the module's
+attributes change only in the module."""
 
 from __future__ import annotations
 

@@ -218,9 +218,9 @@ def test_every_mutable_hyper_parameter_of_grpo_takes_effect(tmp_path):
     class Watch(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             pop = next(c for c in trainer.callbacks if isinstance(c, Population))
-            hp = pop.members[pop.resident].hparams
-            seen.append((hp, pl_module.hp.group_size, pl_module.hp.clip_high, pl_module.hp.beta,
-                         pl_module.sampling.temperature, pl_module.objective.kl_term is not None))  # fmt: skip
+            hp, member = pop.members[pop.resident].hparams, pl_module.schedule.members[0]  # its learner state
+            seen.append((hp, member.hp.group_size, member.hp.clip_high, member.hp.beta,
+                         member.sampling.temperature, pl_module.learner.objective(member).kl_term is not None))  # fmt: skip
 
     space = (
         "population.mutate={group_size:{low:2,high:8,scale:2},clip_high:{low:0.1,high:0.4,scale:1.5},"

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from rlhf_lightning.algorithms.base import RolloutModule
-from rlhf_lightning.algorithms.population_step import PopulationStep
 from rlhf_lightning.config.errors import ConfigError
+from rlhf_lightning.population.bank import SideBySide
 from rlhf_lightning.population.members import Member
 from rlhf_lightning.population.side_by_side import SideBySidePopulation
 from rlhf_lightning.run import run
@@ -45,7 +45,7 @@ def population_of(result) -> SideBySidePopulation:
 
 
 def actor_as_member_weights(module) -> dict[str, torch.Tensor]:
-    """A single run's trainable slots keyed like :meth:`MemberAPI.member_state`'s weights (the
+    """A single run's trainable slots keyed like :meth:`SideBySide.member_state`'s weights (the
     actor, PPO's critic as slot 1 and its value head)."""
     out = {}
     for i, slot in enumerate(("actor", "critic")):
@@ -66,9 +66,9 @@ def seeded_rollout(module, rows, k_or_none):
         torch.manual_seed(1000 + step)
         if k_or_none is None:
             return module.rollout(rows, module.sampling, group_size=module.hp.group_size)
-        module.show_member(k_or_none)
-        sampling = module.member_sampling(k_or_none)
-        return module.rollout(rows, sampling, group_size=module.member_hp(k_or_none).group_size)
+        module.schedule.show(k_or_none)
+        member = module.schedule.members[k_or_none]
+        return module.rollout(rows, member.sampling, group_size=member.hp.group_size)
 
 
 @pytest.mark.slow
@@ -79,19 +79,19 @@ def test_each_member_updates_exactly_as_a_single_run_with_its_hyper_parameters(t
     trainable slots end."""
 
     def member_rollouts(self, rows, evaluation=False, temperature=None):
-        return {name: seeded_rollout(self, rows, k) for k, name in enumerate(self.members.adapters)}, {}
+        return {name: seeded_rollout(self.module, rows, k) for k, name in enumerate(self.adapters)}, {}
 
-    def training_rollout(self, rows):
+    def collect(self, rows, member):
         return seeded_rollout(self, rows, None), {}
 
-    monkeypatch.setattr(PopulationStep, "member_rollouts", member_rollouts)
-    monkeypatch.setattr(RolloutModule, "training_rollout", training_rollout)
+    monkeypatch.setattr(SideBySide, "member_rollouts", member_rollouts)
+    monkeypatch.setattr(RolloutModule, "collect", collect)
     cfg = compose_config(
         [*POP, *algo, "population.evolve_every=0", "trainer.max_steps=4"], output_dir=tmp_path / "p"
     )
     pop = run(cfg).module
-    assert pop.global_step == 4 and pop.members.size == 2
-    lrs = [h["lr"] for h in pop.members.hparams]
+    assert pop.global_step == 4 and pop.schedule.size == 2
+    lrs = [h["lr"] for h in pop.schedule.hparams]
     assert lrs[0] == 0.001 and lrs[1] in (0.002, 0.0005)  # member 1 mutated once at the start
     for k, lr in enumerate(lrs):
         single = compose_config(
@@ -100,11 +100,11 @@ def test_each_member_updates_exactly_as_a_single_run_with_its_hyper_parameters(t
             output_dir=tmp_path / f"single_{k}",
         )  # fmt: skip
         expected = actor_as_member_weights(run(single).module)
-        got = pop.member_state(k)["weights"]
+        got = pop.schedule.member_state(k)["weights"]
         assert got.keys() == expected.keys()
         assert all(torch.equal(got[n], expected[n]) for n in got), f"member {k}"
-    first = pop.member_state(0)["weights"]
-    assert not all(torch.equal(first[n], w) for n, w in pop.member_state(1)["weights"].items())
+    first = pop.schedule.member_state(0)["weights"]
+    assert not all(torch.equal(first[n], w) for n, w in pop.schedule.member_state(1)["weights"].items())
 
 
 @pytest.mark.slow
@@ -116,9 +116,9 @@ def test_one_mixed_rollout_gives_each_member_the_episodes_of_its_own_adapter(tmp
     class Check(L.Callback):
         def on_train_end(self, trainer, pl_module):
             rows = list(range(6))
-            mixed = pl_module.score_members(rows, temperature=0.0)
+            mixed = pl_module.schedule.score_members(rows, temperature=0.0)
             for k, result in enumerate(mixed):
-                pl_module.show_member(k)
+                pl_module.schedule.show(k)
                 params = dataclasses.replace(pl_module.sampling, temperature=0.0)
                 alone = pl_module.rollout(rows, params, group_size=1, evaluation=True)
                 seen[k] = (
@@ -169,12 +169,12 @@ def test_evolution_clones_the_parent_exactly_into_its_slot(tmp_path):
 
     class Spy(SideBySidePopulation):
         def evolve(self, trainer):
-            before = [self.module.member_state(k) for k in range(self.size)]
+            before = [self.bank.member_state(k) for k in range(self.size)]
             ids = [m.id for m in self.members]
             super().evolve(trainer)
             for slot, child in enumerate(self.members):
                 parent = ids.index(child.id if slot == 0 else child.parent)
-                after, was = self.module.member_state(slot), before[parent]
+                after, was = self.bank.member_state(slot), before[parent]
                 same_w = all(torch.equal(after["weights"][n], was["weights"][n]) for n in was["weights"])
                 moments = [s["exp_avg"] for s in after["optimizer"]["state"].values()]
                 same_m = all(
@@ -203,9 +203,9 @@ def test_a_checkpoint_resumes_the_population_exactly(tmp_path, algo):
     ckpt = tmp_path / "full" / "checkpoints" / "step_000002.ckpt"
     assert ckpt.is_file()
     resumed = run(compose_config([*common, f"ckpt_path={ckpt}"], output_dir=tmp_path / "resumed")).module
-    assert full.members.hparams == resumed.members.hparams
+    assert full.schedule.hparams == resumed.schedule.hparams
     for k in range(2):
-        a, b = full.member_state(k), resumed.member_state(k)
+        a, b = full.schedule.member_state(k), resumed.schedule.member_state(k)
         assert a["weights"].keys() == b["weights"].keys()
         assert all(torch.equal(a["weights"][n], b["weights"][n]) for n in a["weights"])
         assert a["scheduler"]["last_epoch"] == b["scheduler"]["last_epoch"] == 3
@@ -221,7 +221,7 @@ def test_a_snapshot_holds_every_member_as_it_was_at_its_step(tmp_path):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             pop = next(c for c in trainer.callbacks if isinstance(c, SideBySidePopulation))
             if pop.steps == 1:
-                at_step.update({k: pl_module.member_state(k)["weights"] for k in range(2)})
+                at_step.update({k: pl_module.schedule.member_state(k)["weights"] for k in range(2)})
 
     out = tmp_path / "run"
     cfg = compose_config([*POP, "trainer.max_steps=4", "population.snapshot_every=1"], output_dir=out)
@@ -241,12 +241,12 @@ def test_members_differ_in_group_size_and_temperature(tmp_path):
 
     class Record(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            step = {"hp": [(int(h["group_size"]), float(h["temperature"])) for h in pl_module.members.hparams],
+            step = {"hp": [(int(h["group_size"]), float(h["temperature"])) for h in pl_module.schedule.hparams],
                     "calls": [], "updates": [], "prompts": len(batch)}  # fmt: skip
             seen.append(step)
 
     def spy(module):
-        generate, update, step = module.engine.generate, module.finalize_rewards, module.population_step
+        generate, update, step = module.engine.generate, module.finalize_rewards, module.training_step
         training = [False]  # the step's own calls, not the fitness scoring after it
 
         def recorded_generate(prompts, params, adapters=None):
@@ -256,18 +256,18 @@ def test_members_differ_in_group_size_and_temperature(tmp_path):
 
         def recorded_update(result):
             trajs = result.trajectories
-            seen[-1]["updates"].append((module.members.active, len(trajs), {t.adapter for t in trajs}))
+            seen[-1]["updates"].append((module.schedule.active, len(trajs), {t.adapter for t in trajs}))
             return update(result)
 
-        def recorded_step(batch):
+        def recorded_step(batch, batch_idx):
             training[0] = True
             try:
-                return step(batch)
+                return step(batch, batch_idx)
             finally:
                 training[0] = False
 
         module.engine.generate, module.finalize_rewards = recorded_generate, recorded_update
-        module.population_step = recorded_step
+        module.training_step = recorded_step
 
     class Hook(L.Callback):
         def setup(self, trainer, pl_module, stage):
@@ -293,26 +293,24 @@ def test_members_differ_in_group_size_and_temperature(tmp_path):
         assert [a for _, _, a in step["updates"]] == [{f"member_{k}"} for k in range(2)]
 
 
-def test_mutations_are_checked_by_the_module():
-    """A value that fails the start-up rules never reaches a member: set_member_hparams raises
-    before it changes anything."""
+def test_mutations_are_checked_before_they_reach_a_member():
+    """A value that fails the start-up rules never reaches a member: set_hparams raises before
+    it changes anything."""
     from types import SimpleNamespace
 
-    from rlhf_lightning.algorithms.members import MemberAPI, MemberBank
     from rlhf_lightning.config import GRPOConfig
     from rlhf_lightning.population.checks import check_member
 
-    api = MemberAPI()
-    api.members = MemberBank([{"lr": 1e-3}], own_reference=False)
-    api._check_member = check_member  # what enable_members stores (the population passes it)
-    api._base_hp = GRPOConfig(prompts_per_step=4, group_size=4, micro_batch_size=8)
-    api.world_size = 1
-    api.policy = SimpleNamespace()
+    bank = object.__new__(SideBySide)  # the checks only: no policy, no adapters
+    bank.hparams = [{"lr": 1e-3}]
+    bank.check = check_member  # what the population passes
+    bank.base_hp = GRPOConfig(prompts_per_step=4, group_size=4, micro_batch_size=8)
+    bank.module = SimpleNamespace(world_size=1)
     with pytest.raises(ConfigError, match=r"population\.mutate\.group_size=3.*micro_batch_size=8"):
-        api.set_member_hparams(0, {"lr": 1e-3, "group_size": 3})
+        bank.set_hparams(0, {"lr": 1e-3, "group_size": 3})
     with pytest.raises(ConfigError, match=r"population\.mutate\.lr=-1"):
-        api.set_member_hparams(0, {"lr": -1.0})
-    assert api.members.hparams == [{"lr": 1e-3}]
+        bank.set_hparams(0, {"lr": -1.0})
+    assert bank.hparams == [{"lr": 1e-3}]
 
 
 @pytest.mark.parametrize(
@@ -355,6 +353,7 @@ def two_ranks(rank1: list[dict[str, torch.Tensor]]) -> SideBySidePopulation:
     for weights in (base, rank1):
         pop = SideBySidePopulation(2, 1, {}, "/tmp/unused")
         pop.module = FakeMembers(weights)
+        pop.member_schedule = pop.module  # type: ignore[assignment]  (member_weights only)
         pop.members = [Member(0, {"lr": 1e-3}), Member(1, {"lr": 2e-3})]
         pops.append(pop)
     pops[0].module.other = pops[1]
@@ -400,7 +399,7 @@ def test_each_member_refreshes_its_own_reference_on_its_own_updates(tmp_path):
 
     class Watch(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            after.append([pl_module.member_state(k)["weights"] for k in range(2)])
+            after.append([pl_module.schedule.member_state(k)["weights"] for k in range(2)])
 
     overrides = [
         *POP, "population.evolve_every=0", "algo.beta=0.05", "algo.use_separate_reference_adapter=true",
@@ -409,14 +408,15 @@ def test_each_member_refreshes_its_own_reference_on_its_own_updates(tmp_path):
     module = run(compose_config(overrides, output_dir=tmp_path / "r"), extra_callbacks=[Watch()]).module
     assert len(after) == 3
     for k in range(2):
-        final = module.member_state(k)["weights"]
+        final = module.schedule.member_state(k)["weights"]
         ref = {n[2:]: w for n, w in final.items() if n.startswith("1:")}
         actor = [{n[2:]: w for n, w in step[k].items() if n.startswith("0:")} for step in after]
         assert ref and ref.keys() == actor[1].keys()
         assert all(torch.equal(ref[n], actor[1][n]) for n in ref)  # its 2nd update
         assert not all(torch.equal(ref[n], actor[2][n]) for n in ref)  # not its 3rd
     refs = [
-        {n: w for n, w in module.member_state(k)["weights"].items() if n.startswith("1:")} for k in range(2)
+        {n: w for n, w in module.schedule.member_state(k)["weights"].items() if n.startswith("1:")}
+        for k in range(2)
     ]
     assert not all(torch.equal(refs[0][n], refs[1][n]) for n in refs[0])
 
@@ -433,7 +433,7 @@ def test_ppo_members_each_have_their_own_critic_and_the_best_is_exported(tmp_pat
         compose_config([*POP, "algo=ppo", "population.evolve_every=0", "trainer.max_steps=6"], output_dir=out)
     )
     module, pop = result.module, population_of(result)
-    states = [module.member_state(k)["weights"] for k in range(2)]
+    states = [module.schedule.member_state(k)["weights"] for k in range(2)]
     for prefix in ("1:", "value_head:"):  # the critic adapter, then the value head
         part = [{n: w for n, w in s.items() if n.startswith(prefix)} for s in states]
         assert part[0] and part[0].keys() == part[1].keys()
@@ -486,7 +486,7 @@ def test_the_exported_best_member_is_scored_at_the_end_and_named_with_its_checkp
     best = max(range(2), key=lambda i: (fresh[i], -i))
     info = json.loads((out / "checkpoints" / "adapters" / "last" / "member.json").read_text())
     assert (info["slot"], info["id"], info["fitness"]) == (best, pop.members[best].id, fresh[best])
-    mine = {n[2:]: w for n, w in module.member_state(best)["weights"].items() if n.startswith("0:")}
+    mine = {n[2:]: w for n, w in module.schedule.member_state(best)["weights"].items() if n.startswith("0:")}
     for where in ("population/best/actor", "checkpoints/adapters/last/actor"):
         saved = load_file(str(out / where / "adapter_model.safetensors"))
         assert len(saved) == len(mine)
@@ -509,35 +509,37 @@ def test_each_member_has_its_own_non_finite_streak_and_it_is_checkpointed():
     streak was reset by member 0 every step, so the guard never tripped), and a checkpoint
     keeps each member's."""
     from rlhf_lightning.algorithms.common import ModuleMixin
+    from rlhf_lightning.learner.optimizer import StepHealth
 
     class Two(ModuleMixin):
-        active = 0
+        def __init__(self) -> None:
+            super().__init__(torch.nn.Linear(1, 1), None)
+            self.records = [StepHealth(), StepHealth()]  # one per member, as members side by side hold them
 
-        def optimizer_index(self):
-            return self.active
+        def guard_records(self):
+            return self.records
 
-    module = Two(torch.nn.Linear(1, 1), None)
+    module = Two()
     params = list(module.policy.parameters())
     for _ in range(3):
         for k, norm in ((0, 1.0), (1, float("nan"))):
-            module.active = k
-            module.health.skip_if_nonfinite([torch.tensor(norm)], params, counted=True)
-    assert [h.nonfinite_streak for h in module.healths] == [0, 3]
+            module.records[k].skip_if_nonfinite([torch.tensor(norm)], params, counted=True)
+    assert [h.nonfinite_streak for h in module.records] == [0, 3]
     assert module.nonfinite_streak == 3 and module.skipped_steps == 3
     checkpoint: dict = {"state_dict": {}}
     module.checkpoint_keys = lambda: set()  # type: ignore[method-assign]
     module.rng_generators = lambda: {}  # type: ignore[method-assign]
     ModuleMixin.on_save_checkpoint(module, checkpoint)
-    again = Two(torch.nn.Linear(1, 1), None)
+    again = Two()
     again.on_load_checkpoint(checkpoint)
-    assert [h.nonfinite_streak for h in again.healths] == [0, 3]
-    old = Two(torch.nn.Linear(1, 1), None)
+    assert [h.nonfinite_streak for h in again.records] == [0, 3]
+    old = Two()
     old.on_load_checkpoint({"guard": {"nonfinite_streak": 2, "skipped_steps": 5}})  # a checkpoint from before
     assert old.nonfinite_streak == 2 and old.skipped_steps == 5
 
 
 def test_whole_rollout_counts_are_summed_over_calls_and_other_call_metrics_averaged():
-    from rlhf_lightning.algorithms.population_step import call_metrics
+    from rlhf_lightning.population.bank import call_metrics
 
     calls = [
         {"rollout/dropped_long_prompts": 2.0, "env/reward_errors": 1.0, "reward/model_mean": 0.5},

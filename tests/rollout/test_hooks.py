@@ -10,7 +10,7 @@ import lightning as L
 from rlhf_lightning.algorithms.base import RolloutModule
 from rlhf_lightning.callbacks.progress import StepProgressBar
 from rlhf_lightning.rollout.callback import RolloutEngineCallback
-from rlhf_lightning.rollout.hooks import RolloutHooks
+from rlhf_lightning.rollout.hooks import RolloutHooks, hook_callbacks
 
 
 class Recorder(RolloutHooks, L.Callback):
@@ -35,7 +35,7 @@ class LooksAlike(L.Callback):
 def module_with(callbacks: list) -> types.SimpleNamespace:
     trainer = types.SimpleNamespace(callbacks=callbacks)
     fake = types.SimpleNamespace(_trainer=trainer, trainer=trainer)
-    for name in ("rollout_hooks", "report_phase", "rollouts_done"):
+    for name in ("report_phase", "rollouts_done"):
         setattr(fake, name, types.MethodType(getattr(RolloutModule, name), fake))
     return fake
 
@@ -51,4 +51,4 @@ def test_hooks_reach_rollout_hook_callbacks_only():
 
 def test_the_packages_own_callbacks_take_the_hooks():
     assert issubclass(StepProgressBar, RolloutHooks) and issubclass(RolloutEngineCallback, RolloutHooks)
-    assert module_with([]).rollout_hooks() == []
+    assert hook_callbacks(types.SimpleNamespace(callbacks=[])) == [] and hook_callbacks(None) == []
