@@ -39,7 +39,8 @@ from rlhf_lightning.learner.optimizer import StepHealth, adamw_with_schedule, to
 from rlhf_lightning.learner.scoring import finalize_rewards
 from rlhf_lightning.models.policy import Policy
 from rlhf_lightning.models.sharding import gathered
-from rlhf_lightning.rollout.async_rollout import AsyncRollouts, BatchSource
+from rlhf_lightning.rollout.async_plan import BatchSource
+from rlhf_lightning.rollout.async_rollout import AsyncRollouts
 from rlhf_lightning.rollout.collector import Collector
 from rlhf_lightning.rollout.engine import RolloutEngine, SamplingParams
 from rlhf_lightning.rollout.harness import RolloutHarness, RolloutResult

@@ -1,15 +1,7 @@
 """Asynchronous rollouts (``rollout.mode=async``): the trainer's side of the producer process.
 
-Versions count optimizer updates of whole batches: the weights after training step ``s`` are
-version ``s + 1``, and batch ``s`` trains at version ``s``. With ``rollout.max_staleness=K``:
-
-    batch s is generated with version max(0, s - K)            (every turn)
-    rollout.partial=true (partial_versions=newest, the default): turn j of batch s with the
-        newest version published when it starts: at least max(0, s - K), at most s
-    rollout.partial=true partial_versions=planned: turn j with min(max(0, s - K) + j, s)
-
-so no token is more than K versions old, and the producer works on batch s + K while the
-trainer updates on batch s. It is *paced*, not filtered: a request for batch s goes out as soon
+Which version each batch and turn uses: :mod:`~rlhf_lightning.rollout.async_plan` (no token
+more than ``rollout.max_staleness`` versions old). It is *paced*, not filtered: a request for batch s goes out as soon
 as its first version is published, so every prompt the sampler yields is trained on, in order.
 Which version (except for ``newest`` partial turns) and which seed a batch uses is fixed in
 advance, never by timing, so a run is reproducible and a resume (``resume=true``) regenerates
@@ -37,7 +29,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +37,15 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
+from rlhf_lightning.rollout.async_plan import (
+    AsyncSettings,
+    BatchSource,
+    ProducerFailed,
+    Weights,
+    batch_seed,
+    placement,
+    turn_versions,
+)
 from rlhf_lightning.rollout.async_producer import (
     POLL_S,
     Placement,
@@ -68,59 +69,6 @@ from rlhf_lightning.runtime.channel import (
 from rlhf_lightning.runtime.children import describe_exit, kill_and_reap
 
 log = logging.getLogger(__name__)
-
-Weights = dict[str, torch.Tensor]
-PARTIAL_VERSIONS = ("newest", "planned")
-
-
-class ProducerFailed(RuntimeError):
-    """The rollout producer raised, exited or was killed (the run stops with this error)."""
-
-
-@dataclass(frozen=True)
-class AsyncSettings:
-    """``rollout.max_staleness``, ``rollout.partial`` and ``rollout.partial_versions``,
-    ``rollout.async_timeout_s``, the producer's torch threads, the seed its per-batch seeds
-    derive from (with the rank), ``rollout.devices`` (the CUDA device of each rank's producer;
-    None: the trainer's device) and the directory the spool goes in (the run directory; None:
-    a temporary one)."""
-
-    max_staleness: int
-    partial: bool = False
-    timeout_s: float = 600.0
-    threads: int = 1
-    seed: int = 0
-    devices: tuple[int, ...] | None = None
-    partial_versions: str = "newest"
-    spool_dir: str | None = None
-
-    @property
-    def newest(self) -> bool:
-        """Whether partial turns take the newest version (and K > 0: lockstep has one version)."""
-        return self.partial and self.partial_versions == "newest" and self.max_staleness > 0
-
-
-def placement(devices: tuple[int, ...] | None, rank: int, world_size: int, trainer_device: str) -> Placement:
-    """Where ``rank``'s producer runs: ``cuda:<devices[rank]>`` (a device training does not use),
-    or, without ``devices``, the trainer's own device (colocated; ``cpu`` on a CPU machine)."""
-    if devices is None:
-        return Placement(trainer_device, rank, world_size)
-    if rank >= len(devices):
-        raise ValueError(f"rollout.devices={list(devices)} has no device for rank {rank} of {world_size}")
-    return Placement(f"cuda:{devices[rank]}", rank, world_size)
-
-
-def batch_seed(seed: int, rank: int, step: int) -> int:
-    """The producer's seed for batch ``step`` on ``rank`` (distinct per rank and step)."""
-    return (seed * 1_000_003 + rank * 7_919 + step * 104_729 + 1) % 2**63
-
-
-def turn_versions(step: int, staleness: int, partial: bool, max_turns: int) -> list[int]:
-    """The policy version of each turn of batch ``step`` (see the module docstring)."""
-    first = max(0, step - staleness)
-    if not partial:
-        return [first]
-    return [min(first + j, step) for j in range(max(max_turns, 1))]
 
 
 class AsyncRollouts:
@@ -445,21 +393,3 @@ class AsyncRollouts:
             "async/producer_wait_s": torch.tensor(produced.wait_s),
             "async/producer_work_s": torch.tensor(produced.work_s),
         }
-
-
-def is_stale(result: RolloutResult, step: int) -> bool:
-    """Whether any turn of ``result`` was generated with weights older than version ``step``."""
-    return any(v < step for t in result.trajectories for v in t.turn_versions)
-
-
-@dataclass(frozen=True)
-class BatchSource:
-    """What the producer needs from the trainer: its rank, the current trainable weights
-    (``weights()``, a CPU copy), the rows of a future batch (``rows_of(step)``), the number of
-    ranks and the trainer's device (where a producer without ``rollout.devices`` runs)."""
-
-    rank: int
-    weights: Callable[[], Weights]
-    rows_of: Callable[[int], list[int]]
-    world_size: int = 1
-    device: str = "cpu"

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from rlhf_lightning.rollout.async_rollout import AsyncRollouts, BatchSource, is_stale
+from rlhf_lightning.rollout.async_plan import BatchSource, is_stale
+from rlhf_lightning.rollout.async_rollout import AsyncRollouts
 from rlhf_lightning.rollout.engine import SamplingParams
 from rlhf_lightning.rollout.harness import RolloutResult
 

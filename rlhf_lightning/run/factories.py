@@ -39,8 +39,9 @@ from rlhf_lightning.population.checks import default_evolve_every, side_by_side
 from rlhf_lightning.population.evolution import DEFAULT_SPACE, MutationRange, flat_space
 from rlhf_lightning.population.side_by_side import SideBySidePopulation
 from rlhf_lightning.rewards import CombinedReward, build_reward
+from rlhf_lightning.rollout.async_plan import AsyncSettings
 from rlhf_lightning.rollout.async_producer import Placement
-from rlhf_lightning.rollout.async_rollout import AsyncRollouts, AsyncSettings
+from rlhf_lightning.rollout.async_rollout import AsyncRollouts
 from rlhf_lightning.rollout.callback import RolloutEngineCallback
 from rlhf_lightning.rollout.chat import ChatFormatter, check_template, env_tools
 from rlhf_lightning.rollout.engine import SamplingParams

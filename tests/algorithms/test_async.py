@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from rlhf_lightning.rollout.async_rollout import batch_seed
+from rlhf_lightning.rollout.async_plan import batch_seed
 from rlhf_lightning.run import checkpoint_step
 from tests.conftest import FAST, compose_config, fit_steps
 from tests.runtime.test_workers import alive, children_of, cmdline

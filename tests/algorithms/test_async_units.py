@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlhf_lightning.rollout import async_producer
+from rlhf_lightning.rollout.async_plan import AsyncSettings, batch_seed, is_stale, placement, turn_versions
 from rlhf_lightning.rollout.async_producer import (
     Placement,
     Produced,
@@ -33,14 +34,7 @@ from rlhf_lightning.rollout.async_producer import (
     call_seed,
     planned,
 )
-from rlhf_lightning.rollout.async_rollout import (
-    AsyncRollouts,
-    AsyncSettings,
-    batch_seed,
-    is_stale,
-    placement,
-    turn_versions,
-)
+from rlhf_lightning.rollout.async_rollout import AsyncRollouts
 from rlhf_lightning.rollout.engine import Completion, EngineBase, SamplingParams
 from rlhf_lightning.rollout.harness import RolloutResult
 from rlhf_lightning.rollout.trajectory import Trajectory, collate
