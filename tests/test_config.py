@@ -140,7 +140,6 @@ BAD = [
     ("rollout.temperature=0", "rollout.temperature=0.0", "> 0"),
     ("rollout.top_p=1.5", "rollout.top_p=1.5", "(0, 1]"),
     ("model.path=/no/such/model", "model.path='/no/such/model'", "no such directory"),
-    ("model.finetune=qlora", "model.finetune='qlora'", "one of lora, full"),
     ("model.dtype=fp8", "model.dtype='fp8'", "one of auto"),
     ("env.max_model_len=4", "env.max_model_len=4", "more than rollout.max_new_tokens"),
     # accepted and then ignored, or crashing mid-run, before start-up checks existed (issue 11)
@@ -162,7 +161,6 @@ BAD = [
         "off-policy masks",
     ),
     ("algo=ppo algo.use_liger_loss=true", "algo.use_liger_loss=True", "no critic or entropy term"),
-    ("algo=ppo algo.turn_value_reduction=max", "algo.turn_value_reduction='max'", "one of state"),
     ("rollout.repetition_penalty=0", "rollout.repetition_penalty=0.0", "> 0"),
     ("rollout.min_p=1.0", "rollout.min_p=1.0", "in [0, 1)"),
 ]
@@ -175,6 +173,43 @@ def test_invalid_values_name_field_value_and_allowed(overrides, field, allowed):
         validate(cfg)
     assert f"invalid config: {field}:" in str(err.value)
     assert allowed in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "allowed"),
+    [
+        ("model.finetune=qlora", "model.finetune", "[lora, full]"),
+        ("algo=ppo algo.turn_value_reduction=max", "algo.turn_value_reduction", "[state, mean, final_value]"),
+        (
+            "algo=ppo algo.importance_sampling_level=row",
+            "algo.importance_sampling_level",
+            "[token, turn, trajectory, auto]",
+        ),
+        ("algo.is_level=token", "algo.is_level", "[sequence, turn]"),
+        ("algo.loss_agg_mode=sum", "algo.loss_agg_mode", "[token_mean, seq_mean_token_mean,"),
+        ("rollout.partial_versions=latest", "rollout.partial_versions", "[newest, planned]"),
+        ("env.step_workers=pool", "env.step_workers", "[process, thread]"),
+        ("algo=dpo algo.loss_type=hinge", "algo.loss_type", "[sigmoid, ipo]"),
+    ],
+)
+def test_a_closed_choice_is_checked_when_the_config_is_composed(overrides, key, allowed):
+    """Closed choices are enums of the schema: a bad value fails in composition, naming the
+    field, the value and the allowed ones."""
+    with pytest.raises(ConfigCompositionException) as err:
+        compose_config(overrides.split())
+    bad = overrides.split()[-1].split("=")[1]
+    message = f"{err.value} {err.value.__cause__}"
+    assert key in message and f"Invalid value '{bad}'" in message and allowed in message, message
+
+
+def test_closed_choices_compare_as_their_strings_and_log_as_them():
+    from omegaconf import OmegaConf
+
+    cfg = compose_config(["algo=ppo"])
+    hp = OmegaConf.to_object(cfg.algo)
+    assert hp.kl_mode == "loss" and f"{hp.turn_value_reduction}" == "state"
+    logged = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    assert type(logged["algo"]["kl_mode"]) is str and type(logged["model"]["finetune"]) is str
 
 
 @pytest.mark.parametrize(

@@ -53,7 +53,7 @@ def test_a_typo_in_a_key_fails_before_the_heavy_imports():
         ("trainer.max_steps=0", "error: invalid config: trainer.max_steps=0"),
         ("algo.loss=foo", "error: invalid config: algo.loss='foo': one of cispo, gspo, ppo_clip, reinforce"),
         ("algo.advantage=gae", "error: invalid config: algo.advantage='gae'"),
-        ("algo=ppo algo.kl_mode=bar", "error: invalid config: algo.kl_mode='bar': one of loss, reward"),
+        ("algo=ppo algo.kl_mode=bar", "Invalid value 'bar', expected one of [loss, reward, advantage]"),
     ],
 )
 def test_a_bad_common_value_fails_before_the_heavy_imports(override, message):

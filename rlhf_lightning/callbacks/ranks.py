@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 def config_digest(cfg: DictConfig) -> str:
     """A short digest of the resolved config, less ``output_dir`` (a multirun job hands its
     directory to its other ranks explicitly)."""
-    values = OmegaConf.to_container(cfg, resolve=True)
+    values = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     assert isinstance(values, dict)
     values.pop("output_dir", None)
     return hashlib.sha1(OmegaConf.to_yaml(OmegaConf.create(values)).encode()).hexdigest()[:12]

@@ -15,18 +15,26 @@ from typing import Any, TypeVar
 
 from omegaconf import MISSING
 
+from rlhf_lightning.config.choices import (
+    AggMode,
+    Granularity,
+    KLEstimator,
+    KLMode,
+    LogprobSource,
+    PooledLevel,
+    Pooling,
+    PreferenceLoss,
+    RatioLevel,
+    TurnValue,
+)
+
 # The built-in names of the registries the rollout families choose from, listed here so the
 # start-up checks can name a bad one before torch is imported (``config/early.py``);
 # ``tests/test_startup.py`` checks that they equal the registries' own.
 BUILTIN_POLICY_LOSSES = ("cispo", "gspo", "ppo_clip", "reinforce")
 BUILTIN_OUTCOME_ADVANTAGES = ("dr_grpo", "grpo", "mean_only", "rebn", "reinforce_pp", "rloo")
-BUILTIN_AGGREGATION_MODES = (
-    "token_mean",
-    "seq_mean_token_mean",
-    "seq_mean_token_sum",
-    "seq_mean_token_sum_norm",
-)
-BUILTIN_KL_ESTIMATORS = ("k1", "k2", "k3")
+BUILTIN_AGGREGATION_MODES = tuple(m.value for m in AggMode)
+BUILTIN_KL_ESTIMATORS = tuple(m.value for m in KLEstimator)
 
 
 @dataclass
@@ -56,14 +64,16 @@ class RolloutAlgoConfig(OptimConfig):
     """What every rollout algorithm shares: clipping, KL, corrections, batch geometry."""
 
     # token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm (losses/aggregate.py)
-    loss_agg_mode: str = "token_mean"
+    loss_agg_mode: AggMode = AggMode.token_mean
     # Clipped surrogate bounds (the ratio is clipped to [1 - clip_low, 1 + clip_high]).
     # auto: the loss's own (ppo_clip 0.2 / 0.2, cispo none / 4.0, gspo 3e-4 / 4e-4; see
     # algorithms/checks.py resolve_clip_defaults); a number; or null for no bound.
     clip_low: Any = "auto"
     clip_high: Any = "auto"
     clip_ratio_c: float | None = None
-    is_pooling: str = "mean"  # sequence/turn ratios: mean (geometric mean) | sum (product of token ratios)
+    is_pooling: Pooling = (
+        Pooling.mean
+    )  # sequence/turn ratios: mean (geometric mean) | sum (product of token ratios)
     max_len_norm: int | None = None  # seq_mean_token_sum_norm's constant; default rollout.max_new_tokens
     whiten_advantages: bool = False
     # DAPO's soft overlong penalty (arXiv 2503.14476), applied to each turn from its own length.
@@ -74,12 +84,14 @@ class RolloutAlgoConfig(OptimConfig):
     )
     # KL to the reference policy.
     beta: float = 0.0
-    kl_estimator: str = "k3"
+    kl_estimator: KLEstimator = KLEstimator.k3
     kl_clamp: float | None = 10.0  # per-token clamp
-    kl_mode: str = "loss"  # loss | reward (subtracted from the return) | advantage (per-token shaping)
+    kl_mode: KLMode = KLMode.loss  # loss | reward (in the return) | advantage (per-token shaping)
     kl_importance_weighted: bool = False  # weight the KL term by pi/pi_old: unbiased KL gradient
     # Off-policy corrections (rollout engine vs trainer).
-    old_logprobs_source: str = "trainer"  # trainer (recompute) | rollout (engine's sampling log-probs)
+    old_logprobs_source: LogprobSource = (
+        LogprobSource.trainer
+    )  # trainer (recompute) | rollout (engine's sampling log-probs)
     tis_cap: float | None = 2.0  # truncated importance sampling cap; null disables
     # Keep tokens whose trainer/engine ratio lies inside [low, high]; drop sequences whose mean
     # engine-trainer log-ratio exceeds the threshold.
@@ -109,7 +121,7 @@ class GRPOConfig(RolloutAlgoConfig):
     loss: Any = field(default_factory=lambda: {"name": "ppo_clip"})
     # The loss's params as keyword arguments (the older spelling of the node's params; joins it).
     loss_kwargs: dict[str, Any] = field(default_factory=dict)
-    is_level: str = "sequence"  # gspo: pool the ratio per sequence | turn
+    is_level: PooledLevel = PooledLevel.sequence  # gspo: pool the ratio per sequence | turn
     # Advantages: {name: <a group estimator in rlhf_lightning.losses.ADVANTAGE_ESTIMATORS>, <its
     # keyword parameters>}; a parameter with a flat advantage_<param> field (scale) is moved
     # there at start-up. Alias: algo.advantage=<name>.
@@ -131,11 +143,15 @@ class PPOConfig(RolloutAlgoConfig):
     module: str = "ppo"
     gamma: float = 1.0  # discount across turns (or tokens at token granularity)
     gae_lambda: float = 0.95
-    advantage_granularity: str = "auto"  # turn | token | auto (token when every episode is single-turn)
+    advantage_granularity: Granularity = (
+        Granularity.auto
+    )  # turn | token | auto (token when every episode is single-turn)
     # A turn's state value from its tokens' values: state (the value before its first action
     # token: V(s_k)) | mean | final_value (AgileRL's choices; both have seen part of the action)
-    turn_value_reduction: str = "state"
-    importance_sampling_level: str = "token"  # token | turn | trajectory | auto (turn when multi-turn)
+    turn_value_reduction: TurnValue = TurnValue.state
+    importance_sampling_level: RatioLevel = (
+        RatioLevel.token
+    )  # token | turn | trajectory | auto (turn when multi-turn)
     vf_coef: float = 0.5
     value_clip: float | None = 0.2
     lr_critic: float | None = None  # default: lr
@@ -179,7 +195,7 @@ class DPOConfig(OfflineConfig):
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"
     beta: float = 0.1
-    loss_type: str = "sigmoid"  # sigmoid (DPO) | ipo
+    loss_type: PreferenceLoss = PreferenceLoss.sigmoid  # sigmoid (DPO) | ipo
     label_smoothing: float = 0.0
 
 

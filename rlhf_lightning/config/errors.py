@@ -4,6 +4,7 @@ imports nothing from the package, so every layer (models, envs, data, rewards, r
 
 from __future__ import annotations
 
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,8 @@ class ConfigError(ValueError):
 
     def __init__(self, field: str, value: Any, allowed: str) -> None:
         self.field, self.value = field, value
-        super().__init__(f"invalid config: {field}={value!r}: {allowed}")
+        shown = value.value if isinstance(value, Enum) else value  # a closed choice as its string
+        super().__init__(f"invalid config: {field}={shown!r}: {allowed}")
 
 
 def check(ok: bool, field: str, value: Any, allowed: str) -> None:

@@ -22,6 +22,7 @@ from rlhf_lightning.config.algo import (
     RolloutAlgoConfig,
     SFTConfig,
 )
+from rlhf_lightning.config.choices import Finetune, PartialVersions, StepWorkers
 
 __all__ = [  # the algorithm schemas are defined in config/algo.py and stored here
     "DPOConfig",
@@ -53,7 +54,7 @@ class ModelConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     attn_implementation: str | None = None  # eager | sdpa | flash_attention_2 | None (transformers' choice)
     trust_remote_code: bool = False
-    finetune: str = "lora"  # lora | full
+    finetune: Finetune = Finetune.lora  # lora | full
     lora: LoraSettings = field(default_factory=LoraSettings)
     gradient_checkpointing: bool = False
     adapter_path: str | None = None  # start from saved adapters (actor/, reference/, critic/): chaining
@@ -96,7 +97,7 @@ class RolloutConfig:
     partial: bool = False
     # partial: newest (each turn the newest version published when it starts, never waiting) |
     # planned (turn j of batch s: min(s - K + j, s), reproducible, but waits for those weights)
-    partial_versions: str = "newest"
+    partial_versions: PartialVersions = PartialVersions.newest
     producer_threads: int | None = None  # async: the producer's torch threads; null: the trainer's
     async_timeout_s: float = (
         600.0  # async: the longest wait for the producer before the run stops with an error
@@ -139,7 +140,7 @@ class EnvConfig:
     step_timeout_s: float | None = None
     # where steps run when concurrency > 1 or step_timeout_s is set: process (worker processes;
     # envs must pickle) | thread (no step_timeout_s: a thread cannot be stopped)
-    step_workers: str = "process"
+    step_workers: StepWorkers = StepWorkers.process
     train_size: int | None = None  # rows per split, for envs without num_rows()
     eval_size: int | None = None
 

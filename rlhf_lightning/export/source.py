@@ -52,7 +52,7 @@ def _run_model_config(config: Path) -> dict[str, Any]:
     register_configs()  # the ${asset:NAME} resolver the embedded models' paths use
     try:
         cfg = OmegaConf.load(config)
-        model = OmegaConf.to_container(cfg.model, resolve=True)
+        model = OmegaConf.to_container(cfg.model, resolve=True, enum_to_str=True)
     except (OmegaConfBaseException, OSError, ValueError) as err:
         raise fail(
             f"cannot read model.* from {config} ({one_line(err)}); give a run directory written by "

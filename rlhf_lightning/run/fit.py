@@ -244,7 +244,7 @@ def _fit(
 def run_loggers(cfg: DictConfig, output_dir: Path, resume_step: int | None) -> list[Any]:
     """The ``logger`` group's loggers, each given the whole config (and Hydra's overrides)."""
     loggers = build_loggers(cfg, output_dir, f"{cfg.name}-{cfg.algo.name}-{output_dir.name}", resume_step)
-    hparams = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))
+    hparams = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
     job = hydra_job()  # the command line's overrides and the sweep job number, with the config
     for lg in loggers:
         lg.log_hyperparams({**hparams, "hydra": job} if job else hparams)

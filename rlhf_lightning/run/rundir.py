@@ -133,8 +133,8 @@ def _flat(cfg: Any, prefix: str = "") -> dict[str, Any]:
 
 def config_changes(saved: DictConfig, current: DictConfig) -> list[str]:
     """``key: saved -> current`` for every field that differs, SAFE_TO_CHANGE aside."""
-    a = _flat(OmegaConf.to_container(saved, resolve=False))
-    b = _flat(OmegaConf.to_container(current, resolve=False))
+    a = _flat(OmegaConf.to_container(saved, resolve=False, enum_to_str=True))
+    b = _flat(OmegaConf.to_container(current, resolve=False, enum_to_str=True))
     out = []
     for key in sorted(a.keys() | b.keys()):
         if any(key == s or (s.endswith(".") and key.startswith(s)) for s in SAFE_TO_CHANGE):
