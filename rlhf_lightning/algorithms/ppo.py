@@ -198,6 +198,7 @@ def values_and_bootstrap(
             action_mask=F.pad(sub.action_mask, (0, 1), value=False) | F.one_hot(last, w).bool(),
             turn_ids=F.pad(sub.turn_ids, (0, 1), value=-1),
             sampling_logps=F.pad(sub.sampling_logps, (0, 1)),
+            position_ids=None if sub.position_ids is None else F.pad(sub.position_ids, (0, 1)),
         )
         v = learner.policy.forward_heads(ext, ("value",))["value"].float()  # (b, w)
         values[index, : w - 1] = v[:, :-1] * sub.action_mask

@@ -105,3 +105,17 @@ class Finetune(StrEnum):
 
     lora = "lora"
     full = "full"
+
+
+class History(StrEnum):
+    """``env.history``: what a multi-turn episode's prompt holds at each turn.
+
+    ``full``: the whole conversation so far (one growing sequence). ``last``: the instructions
+    and the latest observation (a fresh prompt each turn, the Markov view). ``last_k``: the
+    instructions and the last ``env.history_k`` turns (each a reply and the observation after
+    it). With ``last`` and ``last_k`` each turn is its own sequence in the update.
+    """
+
+    full = "full"
+    last = "last"
+    last_k = "last_k"

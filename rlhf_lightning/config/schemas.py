@@ -22,7 +22,7 @@ from rlhf_lightning.config.algo import (
     RolloutAlgoConfig,
     SFTConfig,
 )
-from rlhf_lightning.config.choices import Finetune, PartialVersions, StepWorkers
+from rlhf_lightning.config.choices import Finetune, History, PartialVersions, StepWorkers
 
 __all__ = [  # the algorithm schemas are defined in config/algo.py and stored here
     "DPOConfig",
@@ -143,6 +143,11 @@ class EnvConfig:
     step_workers: StepWorkers = StepWorkers.process
     train_size: int | None = None  # rows per split, for envs without num_rows()
     eval_size: int | None = None
+    # What a multi-turn prompt holds each turn: full (the conversation so far) | last (the
+    # instructions and the latest observation: each turn its own sequence) | last_k (the
+    # instructions and the last history_k turns, each a reply and the observation after it)
+    history: History = History.full
+    history_k: int = 2  # turns of conversation kept by history=last_k
 
 
 @dataclass

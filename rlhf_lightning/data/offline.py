@@ -20,7 +20,7 @@ from rlhf_lightning.data.prompts import eval_row_loader, per_rank_batch
 from rlhf_lightning.data.resumable import resumable_loader
 from rlhf_lightning.envs.files import read_rows, require_columns, split_rows
 from rlhf_lightning.rollout.harness import ChatFormatter
-from rlhf_lightning.rollout.trajectory import Trajectory, TrajectoryBatch, collate
+from rlhf_lightning.rollout.trajectory import Trajectory, TrajectoryBatch, collate, segment_positions
 
 log = logging.getLogger(__name__)
 
@@ -129,21 +129,6 @@ def pack_trajectories(trajs: list[Trajectory], max_len: int) -> tuple[list[Traje
     return rows, lens
 
 
-def packed_position_ids(lens: list[list[int]], width: int) -> torch.Tensor:
-    """Positions restarting at 0 for each packed example; padding continues the last one.
-
-    Shape: (len(lens), width). The model attends within runs of consecutive positions only
-    (transformers detects packed rows from ``position_ids`` when no attention mask is given).
-    """
-    rows = []
-    for seg in lens:
-        parts = [torch.arange(n) for n in seg]
-        used = sum(seg)
-        parts.append(torch.arange(seg[-1], seg[-1] + width - used))
-        rows.append(torch.cat(parts))
-    return torch.stack(rows)
-
-
 class OfflineCollator:
     """Lists of trajectories -> one right-padded batch; SFT examples longer than ``max_len`` are
     dropped and counted (a preference pair is dropped whole). With ``pack``, SFT examples are
@@ -175,7 +160,7 @@ class OfflineCollator:
             return collate(trajs, self.pad_token_id)
         rows, lens = pack_trajectories(trajs, self.max_len)
         batch = collate(rows, self.pad_token_id)
-        batch.position_ids = packed_position_ids(lens, batch.input_ids.shape[1])
+        batch.position_ids = segment_positions(lens, batch.input_ids.shape[1])
         batch.prefix_ids = torch.arange(len(rows))  # packed rows never share a prompt pass
         return batch
 

@@ -263,7 +263,9 @@ class GemEnv:
     such as the suffix are not logged) plus ``solved`` (:func:`is_solved`) unless GEM reports
     ``correct``/``success``/``solved`` itself, and for the games of :data:`MOVE_COUNTERS`
     (Sudoku, GuessTheNumber) ``valid_move``: GEM accepted the move (its mean over a batch's turns
-    is ``env/valid_move``). Reset info holds ``gem_seed``.
+    is ``env/valid_move``). Reset info holds ``gem_seed`` and ``instructions`` (GEM's rules
+    without the board: with ``env.history=last`` each turn's prompt is they and the latest
+    feedback and board).
 
     Seeds, not puzzles, are disjoint: a game with few distinct starts repeats them (with 100,000
     train seeds, 8 of game:Sudoku-v0-easy's 200 eval boards are also train boards;
@@ -326,7 +328,8 @@ class GemEnv:
             obs, info = self.env.reset(seed=s)
         self.started = True
         info = {k: plain(v) for k, v in dict(info or {}).items()}
-        return compose(str(obs), info), {**info, "gem_seed": s}
+        # env.history=last: each turn's prompt is these instructions and the latest observation
+        return compose(str(obs), info), {**info, "gem_seed": s, "instructions": str(obs)}
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         if not self.started:

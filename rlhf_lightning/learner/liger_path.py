@@ -114,6 +114,7 @@ class LigerObjective:
             sub.action_mask,
             prompt_lens=sub.prompt_lens,
             prefix_ids=sub.prefix_ids,
+            position_ids=sub.position_ids,
         )
         targets = sub.input_ids[:, 1:][sub.action_mask]
         weights, metrics = None, {}

@@ -13,6 +13,7 @@ from peft import PeftModel
 from torch import nn
 
 from rlhf_lightning.models.adapters import adapter_state, copy_adapter, save_adapters
+from rlhf_lightning.models.packing import unpacked_action_rows, uses_flash_attention
 from rlhf_lightning.models.prompt_sharing import (
     cache_kwarg,
     has_shared_prompts,
@@ -160,6 +161,7 @@ class Policy(nn.Module):
         *,
         prompt_lens: torch.Tensor | None = None,
         prefix_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The critic's value at every action position (predicting that token's return), 0 elsewhere.
 
@@ -170,7 +172,12 @@ class Policy(nn.Module):
             raise RuntimeError("this policy has no critic (build it with a critic adapter)")
         with self.use_adapter(self.critic_adapter):
             rows, _ = self.action_hidden(
-                input_ids, attention_mask, action_mask, prompt_lens=prompt_lens, prefix_ids=prefix_ids
+                input_ids,
+                attention_mask,
+                action_mask,
+                prompt_lens=prompt_lens,
+                prefix_ids=prefix_ids,
+                position_ids=position_ids,
             )
         v = self.value_head(rows.to(self.value_head.weight.dtype)).squeeze(-1).float()  # (N,)
         return torch.zeros(action_mask.shape, dtype=v.dtype, device=v.device).masked_scatter(action_mask, v)
@@ -201,8 +208,8 @@ class Policy(nn.Module):
             input_ids, attention_mask: right-padded. Shape: (B, L)
             action_mask: True where token t+1 is an action. Shape: (B, L-1)
             prompt_lens, prefix_ids: Shape: (B,), as in ``TrajectoryBatch``.
-            position_ids: packed rows (Shape: (B, L)): positions restart at each example and
-                attention stays within it; the attention mask is then not passed.
+            position_ids: packed rows (Shape: (B, L)): positions restart at each sequence and
+                attention stays within it (:mod:`~rlhf_lightning.models.packing`).
 
         Returns:
             (hidden rows of shape (N, H), the output-embedding module holding ``weight``/``bias``)
@@ -216,7 +223,12 @@ class Policy(nn.Module):
             if shared is not None:
                 rows = shared_prefix_hidden(body, input_ids, attention_mask, action_mask, *shared)
             else:
-                # packed rows: the block-diagonal mask follows from the positions
+                if position_ids is not None and not uses_flash_attention(lm):
+                    # each packed sequence on its own (no dense (L, L) mask per row)
+                    return unpacked_action_rows(
+                        body, input_ids, attention_mask, position_ids, action_mask, self.share_prompt
+                    ), lm.get_output_embeddings()
+                # packed rows under flash attention: the positions keep the sequences apart
                 mask = (
                     {"attention_mask": attention_mask}
                     if position_ids is None
@@ -315,6 +327,7 @@ class Policy(nn.Module):
                 sub.action_mask,
                 prompt_lens=sub.prompt_lens,
                 prefix_ids=sub.prefix_ids,
+                position_ids=sub.position_ids,
             )
         return out
 

@@ -179,16 +179,38 @@ class ChatFormatter:
         )
 
 
+def latest_view(instructions: Observation, observation: Observation) -> Observation:
+    """The prompt of a turn with ``env.history=last``: the instructions, then the latest
+    observation. Two strings make one user message: joined with a blank line, or directly when
+    the instructions end with a newline already (GEM's do); chat messages are put one after the
+    other (a string as a user message).
+
+    ``instructions``: the env's reset info ``instructions`` when it gives one (GEM: its rules
+    without the first board), else the first observation."""
+    if isinstance(instructions, str) and isinstance(observation, str):
+        return instructions + ("" if instructions.endswith("\n") else "\n\n") + observation
+    as_messages = lambda o: [{"role": "user", "content": o}] if isinstance(o, str) else list(o)  # noqa: E731
+    return [*as_messages(instructions), *as_messages(observation)]
+
+
 def env_tools(factory: Any) -> list[dict[str, Any]] | None:
     """The JSON schemas of the tools an env offers (``tool_schemas()``), for the chat template."""
     schemas = getattr(factory(), "tool_schemas", None)
     return list(schemas()) if callable(schemas) else None
 
 
-def check_template(formatter: ChatFormatter, multi_turn: bool) -> None:
+def check_template(formatter: ChatFormatter, multi_turn: bool, history: str = "full") -> None:
     """At start-up: an env's tools must reach the prompt (a template that ignores ``tools=``
-    would train a model on tools it is never shown), and multi-turn needs a prefix-stable
-    template."""
+    would train a model on tools it is never shown), multi-turn needs a prefix-stable
+    template, and a tool env keeps the call before each tool result (``env.history`` is not
+    ``last``)."""
+    if formatter.tools and multi_turn and history == "last":
+        raise ConfigError(
+            "env.history",
+            history,
+            "full or last_k with a tool env: a tool result answers the call in the reply before it, "
+            "which history=last leaves out",
+        )
     if formatter.tools and formatter.apply_chat_template:
         text = formatter.render(formatter.messages("Q"), add_generation_prompt=True)
         missing = [t["function"]["name"] for t in formatter.tools if t["function"]["name"] not in text]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
@@ -17,12 +18,14 @@ from transformers import PreTrainedTokenizerBase
 
 from rlhf_lightning.envs.base import Observation, TextEnv
 from rlhf_lightning.rewards import CombinedReward, reward_value
-from rlhf_lightning.rollout.chat import ChatFormatter
+from rlhf_lightning.rollout.chat import ChatFormatter, latest_view
 from rlhf_lightning.rollout.engine import AdapterSampler, Completion, Sampler, SamplingParams
-from rlhf_lightning.rollout.stepping import EnvStepper, StepOutcome, StepTimeout
+from rlhf_lightning.rollout.stepping import EnvStepper, StepOutcome, StepTimeout, check_step_output
 from rlhf_lightning.rollout.trajectory import Trajectory, TrajectoryBatch, collate
 
-__all__ = ["ChatFormatter", "RolloutHarness", "RolloutResult", "reward_value"]
+__all__ = ["ChatFormatter", "RolloutHarness", "RolloutResult", "latest_view", "reward_value"]
+
+HISTORY = ("full", "last", "last_k")  # env.history
 
 log = logging.getLogger(__name__)
 
@@ -36,29 +39,6 @@ class RolloutResult:
     batch: TrajectoryBatch
     trajectories: list[Trajectory]
     metrics: dict[str, float] = field(default_factory=dict)
-
-
-def _check_step_output(env: TextEnv, out: Any) -> tuple[Observation, float, bool, bool, dict]:
-    name = f"{type(env).__name__}.step"
-    if not isinstance(out, tuple) or len(out) != 5:
-        raise TypeError(f"{name} must return (observation, reward, terminated, truncated, info), got {out!r}")
-    obs, reward, terminated, truncated, info = out
-    if not isinstance(obs, (str, list)):
-        raise TypeError(
-            f"{name} returned observation of type {type(obs).__name__}; expected str or list of messages"
-        )
-    value = reward_value(reward)
-    if value is None:
-        raise TypeError(
-            f"{name} returned reward={reward!r}; expected a finite real number "
-            "(float, int, NumPy scalar or 0-d tensor; not a bool)"
-        )
-    for fname, flag in (("terminated", terminated), ("truncated", truncated)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} returned {fname}={flag!r}; expected a bool")
-    if not isinstance(info, dict):
-        raise TypeError(f"{name} returned info of type {type(info).__name__}; expected a dict")
-    return obs, value, terminated, truncated, info
 
 
 class RolloutHarness:
@@ -79,6 +59,13 @@ class RolloutHarness:
         step_timeout_s: a step that takes longer is stopped (None: no limit).
         step_workers: where steps run at once or with a limit: ``process`` (worker processes:
             a step past its limit is killed) or ``thread`` (no limit); see ``rollout.stepping``.
+        history: what each turn's prompt holds (``env.history``): ``full`` (the conversation
+            so far, one growing sequence), ``last`` (the instructions and the latest observation:
+            :func:`latest_view`) or ``last_k`` (the first prompt, then the last ``history_k``
+            turns' replies and observations, token for token as ``full`` has them). With
+            ``last``/``last_k`` each turn's prompt starts a sequence of its own in the trajectory
+            (``Trajectory.segment_starts``) and ``max_model_len`` bounds each sequence.
+        history_k: turns kept by ``last_k``.
     """
 
     def __init__(
@@ -93,9 +80,16 @@ class RolloutHarness:
         concurrency: int = 1,
         step_timeout_s: float | None = None,
         step_workers: str = "process",
+        history: str = "full",
+        history_k: int = 2,
     ) -> None:
         if on_reward_error not in ("raise", "zero"):
             raise ValueError(f"on_reward_error must be raise or zero, got {on_reward_error!r}")
+        if history not in HISTORY or history_k < 1:
+            raise ValueError(
+                f"history must be one of {', '.join(HISTORY)} and history_k >= 1, got {history!r}, {history_k}"
+            )
+        self.history, self.history_k = history, history_k
         self.stepper = EnvStepper(concurrency, step_timeout_s, step_workers)
         self.on_reward_error = on_reward_error
         self.reward = reward
@@ -141,7 +135,10 @@ class RolloutHarness:
         token_ids = dict(zip(rendered, encoded))
         envs, trajs, dropped = self._start_episodes(groups, rendered, token_ids, params, adapters)
         self._check_dropped(dropped, len(rows), bool(trajs), params.max_new_tokens)
-        errors, timeouts = self._run_turns(engine, envs, trajs, params, progress, adapters is not None)
+        # history=full: a turn's prompt continues the last one, so an engine may keep its KV cache
+        turns = getattr(engine, "turns", None) if self.history == "full" and self.max_turns > 1 else None
+        with turns() if turns is not None else nullcontext():
+            errors, timeouts = self._run_turns(engine, envs, trajs, params, progress, adapters is not None)
         metrics = self._metrics(trajs)
         if self.reward is not None and not evaluation:  # evaluation keeps the env's own rewards
             metrics.update(self.reward.apply(trajs, device))
@@ -241,11 +238,16 @@ class RolloutHarness:
         An episode still going after the last turn is truncated. Returns (env errors, timeouts)."""
         errors = timeouts = 0
         live = list(range(len(trajs)))
+        pieces: list[list[list[int]]] = [
+            [] for _ in trajs
+        ]  # per episode: each turn's reply + observation ids
         for turn in range(self.max_turns):
             if progress is not None:
                 turns = f"turn {turn + 1}/{self.max_turns}, " if self.max_turns > 1 else ""
                 progress(f"rollout: {turns}{len(live)} episodes")
-            prompts, one = [trajs[i].token_ids for i in live], replace(params, n=1)
+            # Each episode's current sequence: the conversation so far, or this turn's own prompt.
+            prompts = [trajs[i].token_ids[trajs[i].segment_starts[-1] :] for i in live]
+            one = replace(params, n=1)
             if per_adapter:  # an AdapterSampler: each episode's own adapter
                 names = [cast(str, trajs[i].adapter) for i in live]
                 completions = cast(AdapterSampler, engine).generate(prompts, one, adapters=names)
@@ -262,7 +264,7 @@ class RolloutHarness:
             for i, comp, text, outcome in zip(live, completions, replies, outcomes):
                 envs[i] = outcome.env  # a worker process steps a copy of the env
                 going, failed = self._after_step(
-                    envs[i], trajs[i], comp, text, outcome, params.max_new_tokens
+                    envs[i], trajs[i], comp, text, outcome, params.max_new_tokens, pieces[i]
                 )
                 errors += failed
                 timeouts += failed and isinstance(outcome.error, StepTimeout)
@@ -294,8 +296,10 @@ class RolloutHarness:
         text: str,
         outcome: StepOutcome,
         max_new_tokens: int,
+        pieces: list[list[int]] | None = None,
     ) -> tuple[bool, bool]:
-        """Record the env's reply to the turn just appended, and the next observation's ids.
+        """Record the env's reply to the turn just appended, and the next turn's prompt ids
+        (``pieces``: the episode's earlier turns' reply + observation ids, for ``last_k``).
         Returns (episode goes on, the env raised or timed out)."""
         failed = False
         out: Any
@@ -315,7 +319,7 @@ class RolloutHarness:
             out, failed = ("", 0.0, True, False, {}), True
         else:
             out = outcome.output
-        obs, reward, terminated, truncated, info = _check_step_output(env, out)
+        obs, reward, terminated, truncated, info = check_step_output(env, out)
         traj.rewards.append(reward)
         traj.infos.append(info)
         # A reply cut at max_new_tokens ends the episode (no well-formed next turn can follow).
@@ -326,15 +330,37 @@ class RolloutHarness:
         traj.truncated = traj.truncated or (not terminated and (truncated or cut))
         if terminated or truncated or cut:
             return False, failed
-        ids = self.formatter.observation_ids(obs)
-        if len(traj.token_ids) + len(ids) + max_new_tokens > self.max_model_len:
+        ids, fresh = self._next_prompt(traj, comp, obs, pieces if pieces is not None else [])
+        held = len(ids) if fresh else len(traj.token_ids) - traj.segment_starts[-1] + len(ids)
+        if held + max_new_tokens > self.max_model_len:
             traj.truncated = True  # the next turn would not fit
             return False, failed
+        if fresh:  # the next turn's prompt is a sequence of its own
+            traj.segment_starts.append(len(traj.token_ids))
         traj.token_ids += ids
         traj.action_turn += [-1] * len(ids)
         traj.sampling_logps += [0.0] * len(ids)
         traj.observations.append(obs)
         return True, failed
+
+    def _next_prompt(
+        self, traj: Trajectory, comp: Completion, obs: Observation, pieces: list[list[int]]
+    ) -> tuple[list[int], bool]:
+        """The ids that come before the next turn's reply, and whether they start a new sequence.
+
+        ``full``: the observation as the next user turn, appended to the conversation. ``last``:
+        the instructions and the latest observation rendered as a fresh prompt. ``last_k``: the
+        first prompt's ids, then the last ``history_k`` turns' reply and observation ids (the
+        same ids ``full`` holds for those turns)."""
+        if self.history == "last":
+            instructions = traj.task_info.get("instructions", traj.observation)
+            return self.formatter.prompt_ids(latest_view(instructions, obs)), True
+        ids = self.formatter.observation_ids(obs)
+        if self.history == "full":
+            return ids, False
+        pieces.append(list(comp.token_ids) + ids)
+        kept = [t for piece in pieces[-self.history_k :] for t in piece]
+        return traj.token_ids[: traj.prompt_len] + kept, True
 
     def close(self) -> None:
         """Stop the stepper's worker processes and threads (a later rollout starts new ones)."""

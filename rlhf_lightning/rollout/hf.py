@@ -30,6 +30,7 @@ from transformers.generation import (
 from rlhf_lightning.models.mixed_lora import grouped_mixed_batches
 from rlhf_lightning.models.prompt_sharing import cache_kwarg, output_cache
 from rlhf_lightning.rollout.engine import Completion, EngineBase, SamplingParams
+from rlhf_lightning.rollout.kv_reuse import TurnCache, prefill_shared
 
 
 class HFEngine(EngineBase):
@@ -46,6 +47,9 @@ class HFEngine(EngineBase):
             fraction of the prefill cost.
         tokenizer: decodes completions to match ``SamplingParams.stop`` strings; required only
             when stop strings are used.
+        reuse_turn_cache: inside :meth:`turns`, a call that continues the previous call's rows
+            (the next turn of the same episodes) runs only their new tokens on the previous
+            call's KV cache (:mod:`~rlhf_lightning.rollout.kv_reuse`).
     """
 
     def __init__(
@@ -56,6 +60,7 @@ class HFEngine(EngineBase):
         max_batch_size: int | None = None,
         share_prefill: bool = True,
         tokenizer: Any = None,
+        reuse_turn_cache: bool = True,
     ) -> None:
         self.model_fn = model_fn
         self.pad_token_id = pad_token_id
@@ -63,6 +68,20 @@ class HFEngine(EngineBase):
         self.max_batch_size = max_batch_size
         self.share_prefill = share_prefill
         self.tokenizer = tokenizer
+        self.reuse_turn_cache = reuse_turn_cache
+        self.turn_cache: TurnCache | None = None  # set inside turns()
+
+    @contextmanager
+    def turns(self) -> Iterator[TurnCache | None]:
+        """The calls inside are the turns of one batch of episodes (the harness opens it with
+        ``env.history=full``): each reuses the KV cache of the call before where its rows continue
+        that call's rows. The cache is dropped on exit. Yields the :class:`TurnCache` (None when
+        ``reuse_turn_cache`` is off)."""
+        self.turn_cache = TurnCache() if self.reuse_turn_cache else None
+        try:
+            yield self.turn_cache
+        finally:
+            self.turn_cache = None
 
     @torch.no_grad()
     def generate(
@@ -88,6 +107,8 @@ class HFEngine(EngineBase):
         index = [i for i in range(len(prompt_token_ids)) for _ in range(params.n)]
         names = [adapters[i] for i in index] if adapters is not None else None
         size = self.max_batch_size or max(len(rows), 1)
+        if self.turn_cache is not None and len(rows) > size:
+            self.turn_cache.last = None  # split calls run from scratch (one cache per call)
         out: list[Completion] = []
         for s in range(0, len(rows), size):
             chunk = names[s : s + size] if names is not None else None
@@ -104,13 +125,30 @@ class HFEngine(EngineBase):
         model = self.model_fn()
         per_row = {"adapter_names": adapters} if adapters is not None else {}
         device = next(model.parameters()).device
-        ids, mask = left_pad(rows, self.pad_token_id, device)
-        width = ids.shape[1]
         stop_ids = self.eos_token_ids + [t for t in params.stop_token_ids if t not in self.eos_token_ids]
-        stop_strings = StopStrings(self.tokenizer, params.stop, width, len(rows)) if params.stop else None
+        # The repetition penalty reads each row's left padding: it takes the left-padded layout.
+        plain = params.repetition_penalty != 1.0
+        turns = self.turn_cache if not plain else None
         grouped = grouped_mixed_batches() if adapters is not None else nullcontext()
         with _eval_mode(model), _checkpoint_generation_config_hidden(model), grouped:
-            cache = self._shared_prefill(model, rows, ids, mask, adapters) if self.share_prefill else {}
+            # The prompts, laid out with a KV cache for all but their last column: the last
+            # call's (the next turn of the same episodes), or their shared parts run once
+            # (prefill_shared); else left-padded, no cache.
+            laid = turns.plan(rows, adapters, self.pad_token_id) if turns is not None else None
+            if laid is None and self.share_prefill:
+                laid = prefill_shared(
+                    model, rows, self.pad_token_id, device, adapters, common_prefix=not plain
+                )
+            if laid is None:
+                ids, mask = left_pad(rows, self.pad_token_id, device)
+                cache, ran = {}, sum(len(r) for r in rows)
+            else:
+                ids, mask, past, ran = laid
+                ids, mask, cache = ids.to(device), mask.to(device), {cache_kwarg(_base(model)): past}
+            if turns is not None:
+                turns.prefilled_tokens += ran
+            width = ids.shape[1]
+            stop_strings = StopStrings(self.tokenizer, params.stop, width, len(rows)) if params.stop else None
             out = model.generate(
                 **per_row,
                 input_ids=ids,
@@ -124,41 +162,18 @@ class HFEngine(EngineBase):
         logps = processed_logprobs(out.scores, new)  # (B, S)
         ends: list[int | None] = list(stop_strings.ended_at) if stop_strings else [None] * len(rows)
         lengths, stopped = completion_ends(new, stop_ids, ends)
+        if turns is not None:
+            turns.record(rows, mask, out.sequences, lengths, output_cache(out), adapters)
         new_l, logp_l = new.tolist(), logps.tolist()
         return [
             Completion(new_l[i][:n], logp_l[i][:n], "stop" if stopped[i] else "length", index[i])
             for i, n in enumerate(lengths)
         ]
 
-    @staticmethod
-    def _shared_prefill(
-        model: Any,
-        rows: list[list[int]],
-        ids: torch.Tensor,
-        mask: torch.Tensor,
-        adapters: list[str] | None = None,
-    ) -> dict[str, Any]:
-        """KV cache of all but the last prompt token, computed once per distinct prompt (and
-        adapter: a row's cache is its own adapter's)."""
-        first: dict[tuple[Any, ...], int] = {}
-        keys = [(*r, adapters[i]) if adapters else tuple(r) for i, r in enumerate(rows)]
-        owner = [first.setdefault(k, i) for i, k in enumerate(keys)]
-        if len(first) == len(rows) or ids.shape[1] < 2:
-            return {}
-        uniq = torch.tensor(sorted(first.values()), device=ids.device)
-        slot = {i: k for k, i in enumerate(uniq.tolist())}
-        expand = torch.tensor([slot[o] for o in owner], device=ids.device)
-        lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-        m = mask[uniq, :-1]
-        positions = (m.cumsum(-1) - 1).clamp(min=0)
-        inputs = {"input_ids": ids[uniq, :-1], "attention_mask": m, "position_ids": positions}
-        if adapters is not None:  # through the PEFT model, whose forward takes per-row adapters
-            out = model(**inputs, use_cache=True, adapter_names=[adapters[i] for i in uniq.tolist()])
-        else:
-            out = lm(**inputs, use_cache=True)
-        cache = output_cache(out)
-        cache.batch_select_indices(expand)
-        return {cache_kwarg(lm): cache}
+
+def _base(model: Any) -> Any:
+    """The CausalLM under a PEFT wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 # ---------------------------------------------------------------- sampling configuration

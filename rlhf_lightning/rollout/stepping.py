@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from rlhf_lightning.rewards import reward_value
 from rlhf_lightning.runtime.workers import CallTimeout, WorkerPool
 
 StepTimeout = CallTimeout  # ``env.step`` did not return within ``env.step_timeout_s``
@@ -128,3 +129,28 @@ class EnvStepper:
         if self._pool is not None:
             self._pool.close()
             self._pool = None
+
+
+def check_step_output(env: Any, out: Any) -> tuple[Any, float, bool, bool, dict]:
+    """``env.step``'s return value, checked: (observation, reward as a float, terminated,
+    truncated, info); a ``TypeError`` names what is wrong."""
+    name = f"{type(env).__name__}.step"
+    if not isinstance(out, tuple) or len(out) != 5:
+        raise TypeError(f"{name} must return (observation, reward, terminated, truncated, info), got {out!r}")
+    obs, reward, terminated, truncated, info = out
+    if not isinstance(obs, (str, list)):
+        raise TypeError(
+            f"{name} returned observation of type {type(obs).__name__}; expected str or list of messages"
+        )
+    value = reward_value(reward)
+    if value is None:
+        raise TypeError(
+            f"{name} returned reward={reward!r}; expected a finite real number "
+            "(float, int, NumPy scalar or 0-d tensor; not a bool)"
+        )
+    for fname, flag in (("terminated", terminated), ("truncated", truncated)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} returned {fname}={flag!r}; expected a bool")
+    if not isinstance(info, dict):
+        raise TypeError(f"{name} returned info of type {type(info).__name__}; expected a dict")
+    return obs, value, terminated, truncated, info

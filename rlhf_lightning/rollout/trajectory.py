@@ -50,6 +50,10 @@ class Trajectory:
     turn_versions: list[int] = field(default_factory=list)
     # The LoRA adapter that sampled it when one call samples several (a population's members).
     adapter: str | None = None
+    # Where each of its sequences starts in ``token_ids``: [0] for one sequence (the whole
+    # conversation, ``env.history=full``); with ``last``/``last_k`` each turn's prompt starts one
+    # (a sequence of its own: positions restart there and attention stays within it).
+    segment_starts: list[int] = field(default_factory=lambda: [0])
 
     @property
     def num_turns(self) -> int:
@@ -61,6 +65,11 @@ class Trajectory:
         if not self.turn_versions:
             return [-1] * len(self.token_ids)
         return [self.turn_versions[t] if t >= 0 else -1 for t in self.action_turn]
+
+    def segment_lengths(self) -> list[int]:
+        """Tokens of each sequence (see ``segment_starts``)."""
+        ends = [*self.segment_starts[1:], len(self.token_ids)]
+        return [e - s for s, e in zip(self.segment_starts, ends)]
 
     def turn_starts(self) -> list[int]:
         """Index in ``token_ids`` of each turn's first generated token."""
@@ -91,8 +100,9 @@ class TrajectoryBatch:
         prompt_lens: (B,), tokens before the first action
         prefix_ids: (B,), rows whose first ``prompt_lens`` tokens are identical share an id
             (the policy runs such a shared prompt once: see ``Policy.token_logprobs``)
-        position_ids: (B, L) for packed rows (several examples per row, positions restarting
-            at each; attention stays within an example), None otherwise
+        position_ids: (B, L) for packed rows (several sequences per row: SFT packing, or the
+            turns of an episode with ``env.history=last|last_k``; positions restart at each and
+            attention stays within it), None otherwise
     """
 
     input_ids: torch.Tensor
@@ -166,6 +176,7 @@ def collate(trajectories: list[Trajectory], pad_token_id: int) -> TrajectoryBatc
 
     # Shift: position t of the (B, L-1) tensors describes token t+1.
     turn_ids = turn_ids[:, 1:]
+    segmented = any(len(t.segment_starts) > 1 for t in trajectories)
     return TrajectoryBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -184,4 +195,25 @@ def collate(trajectories: list[Trajectory], pad_token_id: int) -> TrajectoryBatc
             [[r == "length" for r in t.finish_reasons] for t in trajectories], False, torch.bool
         ),
         turn_starts=per_turn([[i - 1 for i in t.turn_starts()] for t in trajectories], -1, torch.long),
+        position_ids=segment_positions([t.segment_lengths() for t in trajectories], width)
+        if segmented
+        else None,
     )
+
+
+def segment_positions(lens: list[list[int]], width: int) -> torch.Tensor:
+    """Positions restarting at 0 at each sequence of a packed row; the padding continues the last.
+
+    Args:
+        lens: per row, the lengths of its sequences in order.
+        width: the padded row width (at least each row's total).
+
+    Returns:
+        Shape: (len(lens), width)
+    """
+    rows = []
+    for seg in lens:
+        parts = [torch.arange(n) for n in seg]
+        parts.append(torch.arange(seg[-1], seg[-1] + width - sum(seg)))
+        rows.append(torch.cat(parts))
+    return torch.stack(rows)

@@ -72,7 +72,7 @@ def harness_from(cfg: DictConfig, tokenizer: Any, spec: AlgorithmSpec) -> tuple[
     factory = env_factory(e._target_, cast(dict[str, Any], OmegaConf.to_container(e.kwargs, resolve=True)))
     train_rows, eval_rows = split_sizes(factory, e.train_size, e.eval_size)
     formatter = ChatFormatter(tokenizer, e.system_prompt, e.apply_chat_template, tools=env_tools(factory))
-    check_template(formatter, multi_turn=e.max_turns > 1)
+    check_template(formatter, multi_turn=e.max_turns > 1, history=e.history)
     harness = RolloutHarness(
         factory,
         tokenizer,
@@ -84,6 +84,8 @@ def harness_from(cfg: DictConfig, tokenizer: Any, spec: AlgorithmSpec) -> tuple[
         concurrency=e.concurrency,
         step_timeout_s=e.step_timeout_s,
         step_workers=e.step_workers,
+        history=e.history,
+        history_k=e.history_k,
     )
     return harness, train_rows, eval_rows
 

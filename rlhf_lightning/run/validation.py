@@ -287,6 +287,7 @@ def validate_reward_and_env(cfg: DictConfig) -> None:
     check(
         e.on_reward_error in ("raise", "zero"), "env.on_reward_error", e.on_reward_error, "one of raise, zero"
     )
+    check(e.history_k >= 1, "env.history_k", e.history_k, "at least 1 (turns kept by env.history=last_k)")
     check(cfg.eval.num_samples >= 1, "eval.num_samples", cfg.eval.num_samples, "at least 1")
     check(
         e.max_model_len > cfg.rollout.max_new_tokens,
