@@ -32,6 +32,10 @@ COMMON = [
     "checkpoint.every_n_steps=0",
     "samples.every_n_steps=0",
 ]
+# The population defaults before members were drawn from the prior and selected by truncation
+# (population.init=sample, selection=truncation): a checkout that has those settings runs the
+# population cases with the earlier ones, so both sides compare like with like.
+POP_BEFORE = ["population.init=config", "population.selection=tournament", "population.resample_prob=0"]
 CASES: dict[str, list[str]] = {
     "grpo": ["algo=grpo"],
     "dapo": ["algo=dapo"],
@@ -48,13 +52,19 @@ IGNORED_PREFIXES = ("perf/",)
 IGNORED_COLUMNS = ("async/producer_wait_s", "async/producer_work_s", "async/trainer_wait_s")
 
 
+def knows_population_init(root: Path) -> bool:
+    """Whether the checkout at ``root`` has ``population.init`` (and the settings beside it)."""
+    return "PopulationInit" in (root / "rlhf_lightning" / "config" / "schemas.py").read_text()
+
+
 def run_cases(root: Path, out: Path, names: list[str]) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONHASHSEED": "0"}
     for name in names:
         target = out / name
         t0 = time.perf_counter()
+        extra = POP_BEFORE if "population.size=2" in CASES[name] and knows_population_init(root) else []
         proc = subprocess.run(
-            [sys.executable, "train.py", *CASES[name], *COMMON, f"output_dir={target.resolve()}"],
+            [sys.executable, "train.py", *CASES[name], *extra, *COMMON, f"output_dir={target.resolve()}"],
             cwd=root,
             env=env,
             capture_output=True,

@@ -1,27 +1,31 @@
-"""Evolution vs search: training steps to a target held-out accuracy, from a poor learning rate.
+"""Evolution against a search at equal compute: member updates to a target held-out accuracy.
 
-    .venv/bin/python bench/population.py --seeds 0 1 2 --plot docs/population_vs_optuna.png   # ~1 h on 2 cores
+    .venv/bin/python bench/population.py --seeds 0 1 2 --plot docs/population_vs_optuna.png   # ~1.5 h on 2 cores
 
-Two arms on the default arithmetic task (tiny model, GRPO, 16 prompts x 8 per step), both
-starting from ``--init-lr`` (deliberately poor) over the same space, lr in [1e-5, 1e-2]:
+Two arms on the default arithmetic task (tiny model, GRPO, 16 prompts x 8 per step), over the
+same space: ``lr`` log-uniform in [1e-5, 1e-2] and the training ``temperature`` uniform in
+[``--temp-low``, ``--temp-high``] (a value whose best changes as training sharpens the policy).
+Both draw their starts from that prior; neither gets a hand-picked value.
 
-- **population**: one run of ``--members`` LoRA members on one base, all at ``--init-lr``,
-  side by side (``population.batched=true``: one rollout for all members and an update of each
-  per training step; ``--round-robin``: one member per training step), evolved every
-  ``--evolve-every`` member updates of each member x members (fitness: accuracy by ``--metric``, greedy by default,
-  on the first ``--eval-rows`` held-out problems; tournament selection with elitism; lr mutated x2 or /2). Steps to target:
-  the global step (all members together) of the first evolution whose best fitness reaches
-  ``--target``.
-- **optuna**: a TPE search (seeded), whose first trial is ``--init-lr``; each trial is a full
-  run of ``--trial-steps`` steps, evaluated greedily on the same held-out problems every
-  ``--eval-every`` steps. Steps to target: the steps of every earlier trial plus those of the
-  first evaluation that reaches ``--target``.
+- **population**: one run of ``--members`` LoRA members side by side (one rollout for all, an
+  update of each per population step), each member's start drawn from the prior
+  (``population.init=sample``); every ``--evolve-every`` population steps every member is scored
+  on the first ``--eval-rows`` held-out problems at temperature 1 (``population.fitness``), the
+  least fit quarter replaced by clones of the fittest (``population.selection=truncation``),
+  whose lr or temperature is perturbed (x2 / 1.2) or, one time in four, resampled from the prior.
+- **optuna**: a seeded TPE search whose trials are full runs of ``--trial-steps`` steps, evaluated
+  on the same held-out problems every ``--evolve-every`` steps; the median pruner stops a trial
+  whose evaluation is below the median of earlier trials at that step (as a user would run it),
+  and the search goes on with new trials until it has spent its budget.
 
-Each (arm, seed) runs in its own process, ``--parallel`` at a time with one thread each; the
-result is a markdown table (and ``--json``, ``--plot``): member updates (optimizer steps of all
-members or trials together) and wall time to the target, model loading included. Both arms get
-the same budget of member updates: ``--budget`` for the population, ``--max-trials x
---trial-steps`` for the search.
+Equal compute: both arms get ``--trials x --trial-steps`` member updates (optimizer steps of all
+members together, or of all trials together): the population runs that many divided by
+``--members`` population steps. Steps to target: the member updates spent when an evaluation
+first reaches ``--target`` (the population: all members' updates at that scoring; the search:
+every earlier trial's steps, pruned ones as far as they ran, plus the hitting trial's). Evaluation
+episodes are not counted in either arm; wall time (model loading and evaluation included) is
+reported beside. Each (arm, seed) runs in its own process, ``--parallel`` at a time with one
+thread each.
 """
 
 from __future__ import annotations
@@ -42,6 +46,34 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 LR_LOW, LR_HIGH = 1e-5, 1e-2
+
+
+def budget(args: argparse.Namespace) -> tuple[int, int]:
+    """Equal compute: (member updates each arm may spend, the population's population steps)."""
+    updates = args.trials * args.trial_steps
+    if updates % args.members or (updates // args.members) % args.evolve_every:
+        raise SystemExit(
+            f"--trials x --trial-steps = {updates} member updates must split into --members={args.members} "
+            f"members' runs of whole --evolve-every={args.evolve_every} periods"
+        )
+    return updates, updates // args.members
+
+
+def population_steps_to_target(curve: list[tuple[int, float]], target: float) -> int | None:
+    """The member updates (all members) at the first scoring whose best fitness reaches ``target``."""
+    return next((updates for updates, best in curve if best >= target), None)
+
+
+def search_steps_to_target(trials: list[dict[str, Any]], target: float) -> int | None:
+    """Every earlier trial's steps (as far as each ran: pruned ones stop early) plus the steps of
+    the first evaluation that reaches ``target``."""
+    spent = 0
+    for t in trials:
+        hit = next((s for s, a in t["curve"] if a >= target), None)
+        if hit is not None:
+            return spent + hit
+        spent += t["ran"]
+    return None
 
 
 # What a benchmark run needs none of: evaluation outside its own, checkpoints, exports, sample
@@ -105,10 +137,20 @@ def clock(t0: float) -> Any:
     return Clock()
 
 
+def space(args: argparse.Namespace) -> str:
+    """``population.mutate``: the space both arms draw from (lr log-uniform, temperature uniform)."""
+    return (
+        f"{{lr:{{low:{LR_LOW},high:{LR_HIGH},scale:2.0}},"
+        f"temperature:{{low:{args.temp_low},high:{args.temp_high},scale:1.2}}}}"
+    )
+
+
 def population_arm(args: argparse.Namespace, seed: int, out: Path) -> dict[str, Any]:
     import lightning as L
 
     from rlhf_lightning.run import run
+
+    updates, steps = budget(args)
 
     class StopAtTarget(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
@@ -116,20 +158,20 @@ def population_arm(args: argparse.Namespace, seed: int, out: Path) -> dict[str, 
             if best is not None and float(best) >= args.target:
                 trainer.should_stop = True
 
-    space = f"{{lr:{{low:{LR_LOW},high:{LR_HIGH},scale:2.0}}}}"
     cfg = compose(
         [
             *overrides(args, seed, out),
-            f"algo.lr={args.init_lr}",
             f"population.size={args.members}",
-            f"population.batched={not args.round_robin}",
-            # member updates between evolutions the same either way: population steps side by side
-            f"population.evolve_every={args.evolve_every if args.round_robin else args.evolve_every // args.members}",
+            "population.batched=true",
+            "population.init=sample",
+            "population.selection=truncation",
+            "population.resample_prob=0.25",
+            f"population.evolve_every={args.evolve_every}",
             f"population.fitness=accuracy_{args.metric}",
             f"population.eval_rows={args.eval_rows}",
-            f"population.mutate={space}",
-            f"trainer.max_steps={args.budget}",
-            f"trainer.val_check_interval={args.budget + 1}",
+            f"population.mutate={space(args)}",
+            f"trainer.max_steps={updates}",  # member updates: `steps` population steps
+            f"trainer.val_check_interval={updates + 1}",
         ]
     )
     t0 = time.time()
@@ -140,48 +182,80 @@ def population_arm(args: argparse.Namespace, seed: int, out: Path) -> dict[str, 
         for r in rows(out / "metrics.csv")
         if r.get("population/fitness_best")
     ]
-    reached = next((s for s, f, _ in curve if f >= args.target), None)
-    wall_to_target = clk.at.get(reached) if reached is not None else None
+    reached = population_steps_to_target([(u, f) for u, f, _ in curve], args.target)
     return {"arm": "population", "seed": seed, "steps_to_target": reached, "steps_run": curve[-1][0] if curve else 0,
-            "wall_s": time.time() - t0, "wall_to_target_s": wall_to_target, "curve": curve,
-            "times": [clk.at.get(s) for s, _, _ in curve], "lineage": rows(out / "lineage.csv")}  # fmt: skip
+            "budget": updates, "population_steps": steps, "wall_s": time.time() - t0,
+            "wall_to_target_s": clk.at.get(reached) if reached is not None else None, "curve": curve,
+            "times": [clk.at.get(u) for u, _, _ in curve], "lineage": rows(out / "lineage.csv")}  # fmt: skip
 
 
 def optuna_arm(args: argparse.Namespace, seed: int, out: Path) -> dict[str, Any]:
+    import lightning as L
     import optuna
 
     from rlhf_lightning.run import run
 
+    updates, _ = budget(args)
+    key = f"eval/accuracy_{args.metric}"
+
+    class Report(L.Callback):
+        """Each evaluation goes to the trial; the pruner may stop the run there."""
+
+        def __init__(self, trial: Any) -> None:
+            self.trial, self.pruned = trial, False
+
+        def on_validation_end(self, trainer, pl_module):  # type: ignore[no-untyped-def]
+            value = trainer.callback_metrics.get(key)
+            if value is None or trainer.global_step == 0:
+                return
+            self.trial.report(float(value), trainer.global_step)
+            if float(value) >= args.target or self.trial.should_prune():
+                self.pruned = float(value) < args.target
+                trainer.should_stop = True
+
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=seed))
-    study.enqueue_trial({"lr": args.init_lr})
-    spent, reached, trials, wall_to_target = 0, None, [], None
+    study = optuna.create_study(
+        direction="maximize",
+        sampler=optuna.samplers.TPESampler(seed=seed),
+        pruner=optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=0),
+    )
+    spent, trials, wall_to_target = 0, [], None
     t0 = time.time()
-    for i in range(args.max_trials):
+    while spent < updates:
         trial = study.ask()
         lr = trial.suggest_float("lr", LR_LOW, LR_HIGH, log=True)
-        trial_dir = out / f"trial_{i}"
+        temperature = trial.suggest_float("temperature", args.temp_low, args.temp_high)
+        trial_dir = out / f"trial_{len(trials)}"
+        steps = min(args.trial_steps, updates - spent)  # the last trial gets what is left
         cfg = compose(
             [
                 *overrides(args, seed, trial_dir),
                 f"algo.lr={lr}",
-                f"trainer.max_steps={args.trial_steps}",
-                f"trainer.val_check_interval={args.eval_every}",
+                f"rollout.temperature={temperature}",
+                f"trainer.max_steps={steps}",
+                f"trainer.val_check_interval={args.evolve_every}",
             ]
         )
-        clk = clock(t0)
-        run(cfg, extra_callbacks=[clk])
-        key = f"eval/accuracy_{args.metric}"
+        clk, report_cb = clock(t0), Report(trial)
+        result = run(cfg, extra_callbacks=[clk, report_cb])
         curve = [(int(r["step"]), float(r[key])) for r in rows(trial_dir / "metrics.csv") if r.get(key)]
+        curve = [(s, a) for s, a in curve if s > 0]
+        ran = int(result.trainer.global_step)
         hit = next((s for s, a in curve if a >= args.target), None)
-        trials.append({"lr": lr, "curve": curve, "hit": hit, "times": [clk.at.get(s) for s, _ in curve]})
+        trials.append({"lr": lr, "temperature": temperature, "curve": curve, "hit": hit, "ran": ran,
+                       "pruned": report_cb.pruned, "times": [clk.at.get(s) for s, _ in curve]})  # fmt: skip
         if hit is not None:
-            reached, wall_to_target = spent + hit, clk.at.get(hit)
+            wall_to_target = clk.at.get(hit)
             break
-        spent += args.trial_steps
-        study.tell(trial, curve[-1][1] if curve else 0.0)
-    return {"arm": "optuna", "seed": seed, "steps_to_target": reached, "steps_run": spent + (trials[-1]["hit"] or 0),
-            "wall_s": time.time() - t0, "wall_to_target_s": wall_to_target, "trials": trials}  # fmt: skip
+        spent += ran
+        if report_cb.pruned:
+            study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+        else:
+            study.tell(trial, curve[-1][1] if curve else 0.0)
+    reached = search_steps_to_target(trials, args.target)
+    return {"arm": "optuna", "seed": seed, "steps_to_target": reached, "budget": updates,
+            "steps_run": sum(t["ran"] for t in trials), "wall_s": time.time() - t0,
+            "wall_to_target_s": wall_to_target, "trials": trials}  # fmt: skip
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -195,18 +269,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--arms", nargs="+", default=["population", "optuna"])
-    ap.add_argument("--target", type=float, default=0.50, help="held-out accuracy (--metric) to reach")
-    ap.add_argument("--metric", choices=["greedy", "sampled"], default="greedy", help="target and fitness")
-    ap.add_argument(
-        "--init-lr", type=float, default=1e-4, help="the poor starting lr (the tuned one is 1e-3)"
-    )
+    ap.add_argument("--target", type=float, default=0.45, help="held-out accuracy (--metric) to reach")
+    ap.add_argument("--metric", choices=["greedy", "sampled"], default="sampled", help="target and fitness")
     ap.add_argument("--members", type=int, default=4)
-    ap.add_argument("--round-robin", action="store_true", help="one member per training step (the old way)")
-    ap.add_argument("--evolve-every", type=int, default=40)
-    ap.add_argument("--budget", type=int, default=2800, help="population: global steps at most")
-    ap.add_argument("--trial-steps", type=int, default=700)
-    ap.add_argument("--eval-every", type=int, default=50)
-    ap.add_argument("--max-trials", type=int, default=4)
+    ap.add_argument(
+        "--trials", type=int, default=4, help="the budget: --trials x --trial-steps member updates"
+    )
+    ap.add_argument("--trial-steps", type=int, default=400, help="a search trial's steps (a member's run)")
+    ap.add_argument("--evolve-every", type=int, default=50, help="updates of each member between scorings")
+    ap.add_argument("--temp-low", type=float, default=0.6)
+    ap.add_argument("--temp-high", type=float, default=1.4)
     ap.add_argument("--eval-rows", type=int, default=200)
     ap.add_argument("--parallel", type=int, default=2)
     ap.add_argument("--work", default="outputs/bench_population")
@@ -240,25 +312,35 @@ def main() -> None:
 
 
 def report(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
+    updates, steps = budget(args)
     print(
-        f"target: held-out {args.metric} accuracy >= {args.target} on {args.eval_rows} problems; start lr {args.init_lr}"
+        f"target: held-out {args.metric} accuracy >= {args.target} on {args.eval_rows} problems; "
+        f"budget {updates} member updates each ({args.members} members x {steps} population steps; "
+        f"{args.trials} trials x {args.trial_steps} steps)"
     )
     print("| arm | seed | member updates to target | wall s to target | wall s run | how |")
     print("|---|---|---|---|---|---|")
     for r in results:
         if r["arm"] == "population":
-            lrs = sorted({float(x["lr"]) for x in r["lineage"] if x["lr"]})
-            how = f"{args.members} members, lrs tried {', '.join(f'{v:.0e}' for v in lrs)}"
+            starts = [x for x in r["lineage"] if x["event"] == "init"]
+            clones = sum(x["event"] == "clone" for x in r["lineage"])
+            how = (
+                f"starts lr {', '.join(format(float(x['lr']), '.0e') for x in starts)}; {clones} clones; "
+                f"best lr at the end {r['curve'][-1][2]:.1e}"
+                if r["curve"]
+                else "no scoring"
+            )
         else:
             how = "trials: " + ", ".join(
-                f"lr {t['lr']:.1e}" + (f" hit @{t['hit']}" if t["hit"] else "") for t in r["trials"]
+                f"lr {t['lr']:.1e} T {t['temperature']:.2f}"
+                + (f" hit @{t['hit']}" if t["hit"] else " pruned @" + str(t["ran"]) if t["pruned"] else "")
+                for t in r["trials"]
             )
-        steps = (
-            r["steps_to_target"] if r["steps_to_target"] is not None else f"not reached in {r['steps_run']}"
-        )
+        steps_to = r["steps_to_target"]
+        shown_steps = steps_to if steps_to is not None else f"not reached in {r['steps_run']}"
         wall = r.get("wall_to_target_s")
         shown = f"{wall:.0f}" if wall is not None else "not reached"
-        print(f"| {r['arm']} | {r['seed']} | {steps} | {shown} | {r['wall_s']:.0f} | {how} |")
+        print(f"| {r['arm']} | {r['seed']} | {shown_steps} | {shown} | {r['wall_s']:.0f} | {how} |")
     for arm in args.arms:
         got = [r for r in results if r["arm"] == arm]
         done = [r["steps_to_target"] for r in got if r["steps_to_target"] is not None]
@@ -268,16 +350,10 @@ def report(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
         print(
             f"{arm}: reached in {len(done)}/{len(got)} seeds, mean member updates {mean:.0f}, mean wall s {mean_wall:.0f}"
         )
-    by_seed = {(r["arm"], r["seed"]): r.get("wall_to_target_s") for r in results}
     if set(args.arms) == {"population", "optuna"}:
-        wins = sum(
-            1
-            for s in args.seeds
-            if by_seed.get(("population", s)) is not None
-            and (by_seed.get(("optuna", s)) is None or by_seed[("population", s)] < by_seed[("optuna", s)])
-        )
+        wins = evolution_wins(results, args.seeds)
         print(
-            f"evolution reached the target in less wall time than the search on {wins} of {len(args.seeds)} seeds"
+            f"evolution reached the target in fewer member updates than the search on {wins} of {len(args.seeds)} seeds"
         )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -286,46 +362,94 @@ def report(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
         plot(args, results)
 
 
+def evolution_wins(results: list[dict[str, Any]], seeds: list[int]) -> int:
+    """Seeds on which the population reached the target in fewer member updates than the search
+    (or reached it and the search did not)."""
+    by = {(r["arm"], r["seed"]): r["steps_to_target"] for r in results}
+    return sum(
+        1
+        for s in seeds
+        if by.get(("population", s)) is not None
+        and (by.get(("optuna", s)) is None or by[("population", s)] < by[("optuna", s)])
+    )
+
+
+def search_curve(r: dict[str, Any]) -> tuple[list[int], list[float], list[float | None]]:
+    """The search's best evaluation so far against the member updates spent (trials one after
+    the other, each as far as it ran), and the wall times."""
+    xs: list[int] = []
+    ys: list[float] = []
+    ts: list[float | None] = []
+    spent, best = 0, 0.0
+    for t in r["trials"]:
+        for (s, a), w in zip(t["curve"], t.get("times") or [None] * len(t["curve"]), strict=True):
+            best = max(best, a)
+            xs.append(spent + s)
+            ys.append(best)
+            ts.append(w)
+        spent += t["ran"]
+    return xs, ys, ts
+
+
 def plot(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.4))
     for r in results:
         pop = r["arm"] == "population"
         if pop:
             xs, ys, ts = [c[0] for c in r["curve"]], [c[1] for c in r["curve"]], r.get("times", [])
         else:
-            xs, ys, ts, spent = [], [], [], 0
-            for t in r["trials"]:
-                xs += [spent + s for s, _ in t["curve"]]
-                ys += [a for _, a in t["curve"]]
-                ts += t.get("times", [])
-                spent += args.trial_steps
-        style = (
-            {"color": "C0", "marker": "o", "ms": 3}
-            if pop
-            else {"color": "C1", "ls": "--", "marker": ".", "ms": 3}
-        )
+            xs, ys, ts = search_curve(r)
+        color = f"C{args.seeds.index(r['seed']) if r['seed'] in args.seeds else 0}"
+        style = {"color": color, "marker": "o" if pop else ".", "ms": 3, "ls": "-" if pop else "--"}
         label = f"{'population' if pop else 'optuna'} seed {r['seed']}"
         axes[0].plot(xs, ys, label=label, **style)
         if ts and all(t is not None for t in ts):
             axes[1].plot(ts, ys, label=label, **style)
-    for ax, xlabel in zip(axes, ("member updates (all members / trials together)", "wall time, s")):
+    for ax, xlabel in zip(axes[:2], ("member updates (all members / all trials)", "wall time, s")):
         ax.axhline(args.target, color="grey", lw=0.8)
         ax.set(xlabel=xlabel, ylim=(0, 1))
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel(f"held-out {args.metric} accuracy (best member)")
+    axes[0].set_ylabel(f"best held-out {args.metric} accuracy so far")
     axes[0].legend(fontsize=7, ncol=2)
+    lineage_panel(axes[2], args, results)
     fig.suptitle(
-        f"from lr {args.init_lr:g}: evolution ({'round-robin' if args.round_robin else 'side by side'}) vs Optuna"
+        "evolution (members from the prior, truncation) vs Optuna (TPE, median pruner), equal compute"
     )
     fig.tight_layout()
     args.plot.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.plot, dpi=120)
     plt.close(fig)
+
+
+def lineage_panel(ax: Any, args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
+    """Each population slot's learning rate over its updates (a clone's jump: the slot took the
+    fittest member's weights and a new value), for the first seed; the search's trials' lrs beside."""
+    pops = [r for r in results if r["arm"] == "population"]
+    if pops:
+        r = pops[0]
+        slots: dict[int, list[tuple[int, float]]] = {}
+        for x in r["lineage"]:
+            slots.setdefault(int(x["slot"]), []).append((int(x["step"]) // args.members, float(x["lr"])))
+        for slot, points in sorted(slots.items()):
+            ax.step([p[0] for p in points], [p[1] for p in points], where="post", label=f"member slot {slot}")
+    for r in (x for x in results if x["arm"] == "optuna" and x["seed"] == (pops[0]["seed"] if pops else 0)):
+        ax.scatter(
+            [0] * len(r["trials"]),
+            [t["lr"] for t in r["trials"]],
+            marker="x",
+            color="k",
+            label="search trials",
+        )
+    ax.set(
+        yscale="log", xlabel="updates of each member", ylabel="learning rate", title="lineage (first seed)"
+    )
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
 
 
 if __name__ == "__main__":

@@ -91,7 +91,8 @@ ALGOS = {
 }
 FSDP_CKPT = ["checkpoint.every_n_steps=2", "algo.micro_batch_size=2"]
 POPULATION = ["population.size=2", "population.evolve_every=1", "population.eval_rows=8",
-              "population.mutate_initial=true", "population.no_mutation_prob=0", "trainer.max_steps=4"]  # fmt: skip
+              "population.init=config", "population.selection=tournament",
+    "population.resample_prob=0", "population.mutate_initial=true", "population.no_mutation_prob=0", "trainer.max_steps=4"]  # fmt: skip
 RUNS = {  # name -> overrides (output_dir: <runs>/<name>); run in this order
     **{
         f"{a}_{s}": [*(DDP if s == "ddp" else FSDP), *o, "algo.prompts_per_step=8", "trainer.max_steps=5"]

@@ -119,3 +119,19 @@ class History(StrEnum):
     full = "full"
     last = "last"
     last_k = "last_k"
+
+
+class PopulationInit(StrEnum):
+    """``population.init``: where members' first hyper-parameters come from: drawn from the
+    mutation space's prior (as a search draws its trials), or the config's values."""
+
+    sample = "sample"
+    config = "config"
+
+
+class Selection(StrEnum):
+    """``population.selection``: truncation (the least fit replaced by clones of the fittest,
+    the rest kept) or tournament (every slot a tournament's winner, the fittest kept)."""
+
+    truncation = "truncation"
+    tournament = "tournament"

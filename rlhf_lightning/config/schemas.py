@@ -22,7 +22,14 @@ from rlhf_lightning.config.algo import (
     RolloutAlgoConfig,
     SFTConfig,
 )
-from rlhf_lightning.config.choices import Finetune, History, PartialVersions, StepWorkers
+from rlhf_lightning.config.choices import (
+    Finetune,
+    History,
+    PartialVersions,
+    PopulationInit,
+    Selection,
+    StepWorkers,
+)
 
 __all__ = [  # the algorithm schemas are defined in config/algo.py and stored here
     "DPOConfig",
@@ -280,14 +287,22 @@ class PopulationConfig:
     # horizons selected ever smaller learning rates (docs/guides/sweeps-population.md, "Population training").
     fitness: str = "accuracy_sampled"
     eval_rows: int = 100  # held-out rows each member is scored on
+    # sample: each member's first values of the mutation space drawn from its prior (log-uniform
+    # for lr, uniform otherwise; seeded), as a search draws its trials | config: the config's values
+    init: PopulationInit = PopulationInit.sample
+    # truncation: the least fit `truncation` share replaced by clones of as many fittest ones, the
+    # rest kept (population based training) | tournament: every slot a tournament's winner
+    selection: Selection = Selection.truncation
+    truncation: float = 0.25  # share of members replaced at each evolution (at least one, at most half)
     tournament_size: int = 2
-    elitism: bool = True  # the fittest member survives unchanged
+    elitism: bool = True  # tournament: the fittest member survives unchanged
     no_mutation_prob: float = 0.2  # a clone keeps its parent's hyper-parameters
-    mutate_initial: bool = False  # members 1..N-1 start from one mutation of the config's values
+    resample_prob: float = 0.25  # a clone's mutated value is drawn afresh from the prior, not scaled
+    mutate_initial: bool = False  # init=config: members 1..N-1 start from one mutation of the config's values
     snapshot_every: int = 0  # write the population from a background thread every this many steps
     keep_snapshots: int = 2  # background snapshots kept on disk (the newest); >= 1
-    # {name: {low, high, scale}} for lr, clip_low, clip_high, beta, temperature, group_size,
-    # entropy_coef; null: {lr: {low: 1e-6, high: 1e-2, scale: 2}}
+    # {name: {low, high, scale, prior}} for lr, clip_low, clip_high, beta, temperature, group_size,
+    # entropy_coef (prior: log | uniform; null: log for lr); null: {lr: {low: 1e-6, high: 1e-2, scale: 2}}
     mutate: Any = None
 
 

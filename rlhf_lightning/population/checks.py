@@ -21,9 +21,12 @@ from rlhf_lightning.config.errors import ConfigError, check
 from rlhf_lightning.population.evolution import (
     DEFAULT_SPACE,
     FITNESS,
+    INIT,
     INTEGER,
     MUTABLE,
     NODE_PREFIXES,
+    SELECTION,
+    MutationRange,
     flat_space,
     is_mutable,
 )
@@ -277,6 +280,10 @@ def validate_population(p: DictConfig, spec: Any, cfg: DictConfig) -> None:
     check(p.fitness in FITNESS, "population.fitness", p.fitness, f"one of {', '.join(FITNESS)}")
     check(p.eval_rows > 0, "population.eval_rows", p.eval_rows, "> 0")
     check(p.tournament_size >= 1, "population.tournament_size", p.tournament_size, ">= 1")
+    check(
+        0.0 < p.truncation <= 0.5, "population.truncation", p.truncation, "in (0, 0.5] (the share replaced)"
+    )
+    check(0.0 <= p.resample_prob <= 1.0, "population.resample_prob", p.resample_prob, "in [0, 1]")
     check(0.0 <= p.no_mutation_prob <= 1.0, "population.no_mutation_prob", p.no_mutation_prob, "in [0, 1]")
     check(p.snapshot_every >= 0, "population.snapshot_every", p.snapshot_every, ">= 0")
     keep = p.get("keep_snapshots")
@@ -297,11 +304,18 @@ def validate_population(p: DictConfig, spec: Any, cfg: DictConfig) -> None:
     for name, r in mutate.items():
         ok = (
             isinstance(r, DictConfig | dict)
-            and set(r) <= {"low", "high", "scale"}
+            and set(r) <= {"low", "high", "scale", "prior"}
             and {"low", "high"} <= set(r)
         )
         ok = ok and 0 <= r["low"] <= r["high"] and r.get("scale", 1.5) > 1
-        check(ok, f"population.mutate.{name}", r, "{low, high, scale} with 0 <= low <= high and scale > 1")
+        prior = r.get("prior") if ok else None
+        ok = ok and prior in (None, "log", "uniform") and (prior != "log" or r["low"] > 0)
+        check(
+            ok,
+            f"population.mutate.{name}",
+            r,
+            "{low, high, scale, prior} with 0 <= low <= high, scale > 1 and prior log (low > 0), uniform or null",
+        )
     algo = cast(dict[str, Any], OmegaConf.to_container(cfg.algo, resolve=True))
     validate_space(mutate, algo, cfg.model.finetune, configured_world_size(cfg))
 
@@ -336,3 +350,44 @@ def validate_side_by_side(size: int, cfg: DictConfig) -> None:
         cfg.algo.get("dynamic_sampling"),
         f"false with {where} (refills per member are not built yet); set population.batched=false",
     )
+
+
+def check_settings(
+    size: int,
+    evolve_every: int,
+    space: dict[str, MutationRange],
+    fitness: str,
+    keep_snapshots: int,
+    every_multiple_of_size: bool = True,
+    init: str = "config",
+    selection: str = "tournament",
+    truncation: float = 0.25,
+    resample_prob: float = 0.0,
+) -> None:
+    """The population's own settings (a population callback's constructor checks them)."""
+    if init not in INIT or selection not in SELECTION:
+        raise ValueError(
+            f"population.init={init!r} (one of {INIT}), population.selection={selection!r} (one of {SELECTION})"
+        )
+    if not 0.0 < truncation <= 0.5 or not 0.0 <= resample_prob <= 1.0:
+        raise ValueError(
+            f"population.truncation={truncation} must be in (0, 0.5] and population.resample_prob={resample_prob} in [0, 1]"
+        )
+    if init == "sample" and not space:
+        raise ValueError("population.init=sample needs a population.mutate space to draw the members from")
+    if size < 2:
+        raise ValueError(f"population.size must be at least 2, got {size}")
+    if evolve_every < 0 or (every_multiple_of_size and evolve_every and evolve_every % size):
+        raise ValueError(
+            f"population.evolve_every={evolve_every}: a multiple of population.size={size}, or 0"
+        )
+    if fitness not in FITNESS:
+        raise ValueError(f"population.fitness={fitness!r}: one of {', '.join(FITNESS)}")
+    unknown = sorted(name for name in space if not is_mutable(name))
+    if unknown:
+        raise ValueError(
+            f"population.mutate: unknown hyper-parameters {unknown}; choose among {MUTABLE}, or a "
+            "loss.<param> / advantage.<param> of the configured function"
+        )
+    if keep_snapshots < 1:
+        raise ValueError(f"population.keep_snapshots must be at least 1, got {keep_snapshots}")

@@ -1,4 +1,6 @@
-"""Evolution of a population's hyper-parameters: tournament selection with elitism, mutation.
+"""Evolution of a population's hyper-parameters: the first members drawn from the mutation
+space's prior (as a search draws its trials), truncation or tournament selection, and
+exploration by perturbing a value or resampling it from the prior.
 
 Pure functions of their inputs and a ``random.Random``: every rank draws the same decisions from
 the same seed, and a test can check an example by hand.
@@ -19,6 +21,8 @@ MUTABLE = ("lr", "clip_low", "clip_high", "beta", "temperature", "group_size", "
 # its node path (``loss.<param>``, ``advantage.<param>``): a function from outside the package.
 NODE_PREFIXES = ("loss.", "advantage.")
 FITNESS = ("accuracy_sampled", "accuracy_greedy", "return_sampled", "return_greedy")  # population.fitness
+SELECTION = ("truncation", "tournament")  # population.selection
+INIT = ("sample", "config")  # population.init
 INTEGER = ("group_size",)
 DEFAULT_SPACE = {"lr": {"low": 1e-6, "high": 1e-2, "scale": 2.0}}  # population.mutate=null
 
@@ -44,15 +48,63 @@ def flat_space(mutate: Mapping[str, Any]) -> dict[str, Any]:
 @dataclass(frozen=True)
 class MutationRange:
     """How one hyper-parameter mutates: multiplied by ``scale`` or divided by it (equally likely),
-    then kept within ``[low, high]``. A value of 0 moves to ``low`` on the way up."""
+    then kept within ``[low, high]``. A value of 0 moves to ``low`` on the way up.
+
+    ``prior``: how a value is drawn from the range (``population.init=sample`` and resampling):
+    ``log`` (log-uniform; needs ``low > 0``) or ``uniform``; None: ``log`` for ``lr``,
+    ``uniform`` for the rest."""
 
     low: float
     high: float
     scale: float = 1.5
+    prior: str | None = None
 
     def __post_init__(self) -> None:
         if not (0 <= self.low <= self.high) or self.scale <= 1.0:
             raise ValueError(f"a mutation range needs 0 <= low <= high and scale > 1, got {self}")
+        if self.prior not in (None, "log", "uniform") or (self.prior == "log" and self.low <= 0):
+            raise ValueError(f"a mutation range's prior is log (with low > 0), uniform or null, got {self}")
+
+    def draw(self, name: str, rng: random.Random) -> float:
+        """A value from the prior (an integer for :data:`INTEGER` names)."""
+        log = self.prior == "log" or (self.prior is None and name == "lr" and self.low > 0)
+        if log:
+            value = math.exp(rng.uniform(math.log(self.low), math.log(self.high)))
+        else:
+            value = rng.uniform(self.low, self.high)
+        if name in INTEGER:
+            value = float(min(max(round(value), math.ceil(self.low)), math.floor(self.high)))
+        return min(max(value, self.low), self.high)
+
+
+def sample_prior(
+    hparams: dict[str, float], space: dict[str, MutationRange], rng: random.Random
+) -> tuple[dict[str, float], str]:
+    """A copy of ``hparams`` with every name of ``space`` (sorted) drawn from its prior, and a
+    description (``"sampled lr=0.0003, temperature=0.9"``): a member's start with
+    ``population.init=sample``, as a search samples a trial."""
+    out = dict(hparams)
+    for name in sorted(space):
+        value = space[name].draw(name, rng)
+        out[name] = int(value) if name in INTEGER else value
+    return out, "sampled " + ", ".join(f"{n}={out[n]:.4g}" for n in sorted(space))
+
+
+def truncation_select(fitness: Sequence[float], rng: random.Random, fraction: float = 0.25) -> list[int]:
+    """Parents of the next generation (PBT's truncation selection, Jaderberg et al. 2017): the
+    ``ceil(fraction * n)`` least fit members (ties: the higher index) are replaced by clones of
+    members drawn uniformly from as many fittest ones; every other slot keeps its member
+    (``parents[i] == i``). At most half the members are replaced."""
+    n = len(fitness)
+    if n < 2:
+        return list(range(n))
+    k = min(max(1, math.ceil(fraction * n)), n // 2)
+    order = sorted(range(n), key=lambda i: (fitness[i], -i), reverse=True)  # fittest first
+    top, bottom = order[:k], order[n - k :]
+    parents = list(range(n))
+    for slot in sorted(bottom):
+        parents[slot] = rng.choice(top)
+    return parents
 
 
 def tournament_select(
@@ -81,18 +133,27 @@ def mutate(
     space: dict[str, MutationRange],
     rng: random.Random,
     no_mutation_prob: float = 0.2,
+    resample_prob: float = 0.0,
 ) -> tuple[dict[str, float], str]:
     """A copy of ``hparams`` with at most one hyper-parameter of ``space`` changed, and a
-    description (``"none"``, or e.g. ``"lr x2: 0.001 -> 0.002"``; a bound may stop the change).
+    description (``"none"``, e.g. ``"lr x2: 0.001 -> 0.002"``, or ``"lr resampled: 0.001 ->
+    0.0004"``; a bound may stop the change).
 
     With probability ``no_mutation_prob`` nothing changes; otherwise one name of ``space``
-    (sorted, drawn uniformly) is multiplied or divided by its scale and clipped to its range.
+    (sorted, drawn uniformly) is, with probability ``resample_prob``, drawn afresh from its
+    prior (:meth:`MutationRange.draw`), else multiplied or divided by its scale and clipped to
+    its range.
     """
     out = dict(hparams)
     if not space or rng.random() < no_mutation_prob:
         return out, "none"
     name = rng.choice(sorted(space))
     r = space[name]
+    if resample_prob > 0 and rng.random() < resample_prob:
+        old = float(out[name])
+        new_value = r.draw(name, rng)
+        out[name] = int(new_value) if name in INTEGER else new_value
+        return out, f"{name} resampled: {old:g} -> {out[name]:g}"
     up = rng.random() < 0.5
     value = float(out[name])
     new = (value * r.scale if value > 0 else r.low) if up else value / r.scale

@@ -1,6 +1,7 @@
-"""A population's generations: every member scored on held-out rows, tournament selection
-with elitism, parents cloned and mutated (every mutated value checked like a start-up value),
-and every birth recorded in ``lineage.csv``. :class:`Generations` is mixed into
+"""A population's generations: the first members drawn from the mutation space's prior (or the
+config's values), every member scored on held-out rows, truncation (or tournament) selection,
+parents cloned and explored (a value perturbed or resampled from the prior; every value checked
+like a start-up value), and every birth recorded in ``lineage.csv``. :class:`Generations` is mixed into
 :class:`~rlhf_lightning.population.callback.Population`.
 """
 
@@ -18,46 +19,19 @@ import lightning as L
 import torch
 
 from rlhf_lightning.algorithms.evaluation import episode_success
-from rlhf_lightning.population.checks import check_member, node_value, validate_space
+from rlhf_lightning.population.checks import check_member, check_settings, node_value, validate_space
 from rlhf_lightning.population.evolution import (
-    FITNESS,
     MUTABLE,
     MutationRange,
-    is_mutable,
     mutate,
+    sample_prior,
     tournament_select,
+    truncation_select,
 )
 from rlhf_lightning.population.members import KEEP_SNAPSHOTS, Member, write_snapshot
 from rlhf_lightning.runtime import rng as rng_state
 
 LINEAGE_FIELDS = ["step", "slot", "id", "parent", "event", "mutation", "parent_fitness", *MUTABLE]
-
-
-def check_settings(
-    size: int,
-    evolve_every: int,
-    space: dict[str, MutationRange],
-    fitness: str,
-    keep_snapshots: int,
-    every_multiple_of_size: bool = True,
-) -> None:
-    """The population's own settings (a population callback's constructor checks them)."""
-    if size < 2:
-        raise ValueError(f"population.size must be at least 2, got {size}")
-    if evolve_every < 0 or (every_multiple_of_size and evolve_every and evolve_every % size):
-        raise ValueError(
-            f"population.evolve_every={evolve_every}: a multiple of population.size={size}, or 0"
-        )
-    if fitness not in FITNESS:
-        raise ValueError(f"population.fitness={fitness!r}: one of {', '.join(FITNESS)}")
-    unknown = sorted(name for name in space if not is_mutable(name))
-    if unknown:
-        raise ValueError(
-            f"population.mutate: unknown hyper-parameters {unknown}; choose among {MUTABLE}, or a "
-            "loss.<param> / advantage.<param> of the configured function"
-        )
-    if keep_snapshots < 1:
-        raise ValueError(f"population.keep_snapshots must be at least 1, got {keep_snapshots}")
 
 
 class Generations:
@@ -104,8 +78,29 @@ class Generations:
         snapshot_every: int = 0,
         seed: int = 0,
         keep_snapshots: int = KEEP_SNAPSHOTS,
+        init: str = "config",
+        selection: str = "tournament",
+        truncation: float = 0.25,
+        resample_prob: float = 0.0,
     ) -> None:
-        check_settings(size, evolve_every, space, fitness, keep_snapshots, self.every_multiple_of_size)
+        check_settings(
+            size,
+            evolve_every,
+            space,
+            fitness,
+            keep_snapshots,
+            self.every_multiple_of_size,
+            init,
+            selection,
+            truncation,
+            resample_prob,
+        )
+        self.init, self.selection, self.truncation, self.resample_prob = (
+            init,
+            selection,
+            truncation,
+            resample_prob,
+        )
         self.size, self.evolve_every, self.space = size, evolve_every, dict(space)
         self.fitness_name, self.eval_rows = fitness, eval_rows
         self.tournament_size, self.elitism, self.no_mutation_prob = tournament_size, elitism, no_mutation_prob
@@ -143,13 +138,19 @@ class Generations:
         validate_space(space, self._algo, finetune, world_size)
 
     def first_generation(self, make: Callable[[int, dict[str, float]], Member], step: int) -> None:
-        """The members at the start: the config's values, members 1..N-1 mutated once with
-        ``mutate_initial``; ``make(id, hparams)`` builds each."""
+        """The members at the start; ``make(id, hparams)`` builds each. ``init=sample``: every
+        member's values of the mutation space drawn from its prior (the population's seeded RNG,
+        so every rank draws the same), each checked like a start-up value; ``init=config``: the
+        config's values, members 1..N-1 mutated once with ``mutate_initial``."""
         base = self.initial_hparams()
         for slot in range(self.size):
-            hp, how = (
-                self.mutated(base, self.next_id, 0.0) if self.mutate_initial and slot else (base, "none")
-            )
+            if self.init == "sample":
+                hp, how = sample_prior(base, self.space, self.rng)
+                check_member(hp, self._algo, self.module.world_size, self.next_id)
+            elif self.mutate_initial and slot:
+                hp, how = self.mutated(base, self.next_id, 0.0)
+            else:
+                hp, how = base, "none"
             self.members.append(make(self.next_id, hp))
             self.record(step, slot, None, "init", how, None)
             self.next_id += 1
@@ -242,7 +243,7 @@ class Generations:
         self, hparams: dict[str, float], member_id: int, no_mutation_prob: float
     ) -> tuple[dict[str, float], str]:
         """:func:`mutate`, its result checked like a start-up value (a bad value never trains)."""
-        hp, how = mutate(hparams, self.space, self.rng, no_mutation_prob)
+        hp, how = mutate(hparams, self.space, self.rng, no_mutation_prob, self.resample_prob)
         check_member(hp, self._algo, self.module.world_size, member_id)
         return hp, how
 
@@ -284,12 +285,18 @@ class Generations:
         self.assign_fitness(fitness)
         step, best = trainer.global_step, self.best_slot()
         best_lr = float(self.members[best].hparams.get("lr", 0.0))
-        parents = tournament_select(fitness, self.rng, self.tournament_size, self.elitism)
+        if self.selection == "truncation":  # the least fit replaced, the rest kept as they are
+            parents = truncation_select(fitness, self.rng, self.truncation)
+            kept = {slot for slot, p in enumerate(parents) if p == slot}
+        else:
+            parents = tournament_select(fitness, self.rng, self.tournament_size, self.elitism)
+            kept = {0} if self.elitism else set()
         new: list[Member] = []
         for slot, p in enumerate(parents):
             parent = self.members[p]
-            if slot == 0 and self.elitism:  # the same member, just scored: its fitness holds
-                child, event, how = parent.clone(parent.id), "elite", "none"
+            if slot in kept:  # the same member, just scored: its fitness holds
+                child, how = parent.clone(parent.id), "none"
+                event = "elite" if self.selection == "tournament" else "kept"
                 child.parent, child.fitness = parent.parent, parent.fitness
             else:
                 child = parent.clone(self.next_id)

@@ -189,6 +189,13 @@ def training_reward(rw: DictConfig) -> CombinedReward | None:
     return build_reward(list(rw.sources), fns, weights, model_kwargs)
 
 
+# population.* fields a population callback takes by name (besides size, evolve_every, mutate)
+POPULATION_SETTINGS = (
+    "fitness", "eval_rows", "init", "selection", "truncation", "tournament_size", "elitism",
+    "no_mutation_prob", "resample_prob", "mutate_initial", "snapshot_every", "keep_snapshots",
+)  # fmt: skip
+
+
 def population_callback(cfg: DictConfig, output_dir: Path) -> Population | SideBySidePopulation:
     """The ``population`` config as a :class:`SideBySidePopulation` callback, or with
     ``population.batched=false`` (or a run that needs it, :func:`side_by_side`) a round-robin
@@ -201,21 +208,9 @@ def population_callback(cfg: DictConfig, output_dir: Path) -> Population | SideB
         " (population.batched=null and this run needs it)" if p.get("batched") is None and not batched else ""
     )
     log.info("population of %d: members %s%s", p.size, "side by side" if batched else "round-robin", why)
-    return kind(
-        p.size,
-        p.evolve_every if p.evolve_every is not None else default_evolve_every(p.size, batched),
-        space,
-        output_dir,
-        fitness=p.fitness,
-        eval_rows=p.eval_rows,
-        tournament_size=p.tournament_size,
-        elitism=p.elitism,
-        no_mutation_prob=p.no_mutation_prob,
-        mutate_initial=p.mutate_initial,
-        snapshot_every=p.snapshot_every,
-        keep_snapshots=p.keep_snapshots,
-        seed=cfg.seed,
-    )
+    every = p.evolve_every if p.evolve_every is not None else default_evolve_every(p.size, batched)
+    settings = {k: p[k] for k in POPULATION_SETTINGS}
+    return kind(p.size, every, space, output_dir, seed=cfg.seed, **settings)
 
 
 # ---------------------------------------------------------------- asynchronous rollouts

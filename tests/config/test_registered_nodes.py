@@ -147,6 +147,8 @@ def test_a_population_mutates_an_outside_loss_param(user_loss_module, tmp_path, 
             "algo.skip_zero_advantage=false",  # every member's update calls the loss
             "population.size=2",
             f"population.batched={str(batched).lower()}",
+            "population.init=config",
+            "population.resample_prob=0",
             "population.mutate_initial=true",
             "population.no_mutation_prob=0.0",
             "+population.mutate={loss.scale: {low: 0.1, high: 10.0, scale: 4.0}}",

@@ -21,6 +21,9 @@ POP = [
     "population.batched=false",  # round-robin (test_side_by_side.py: side by side)
     "population.evolve_every=2",
     "population.eval_rows=8",
+    "population.init=config",  # the config's values, mutated once (init=sample: test_evolution_init.py)
+    "population.selection=tournament",
+    "population.resample_prob=0",
     "population.mutate_initial=true",
     "population.no_mutation_prob=0",
     "algo.lr=0.01",

@@ -26,6 +26,9 @@ MEMBERS = [
     "population.batched=true",
     "population.evolve_every=1",
     "population.eval_rows=8",
+    "population.init=config",
+    "population.selection=tournament",
+    "population.resample_prob=0",
     "population.mutate_initial=true",
     "population.no_mutation_prob=0",
 ]

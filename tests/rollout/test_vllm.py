@@ -258,7 +258,8 @@ def test_population_members_take_turns_on_one_engine(tmp_path):
     out = tmp_path / "run"
     cfg = compose_config(
         [*FAST, "rollout=vllm", "algo.lr=1e-2", "population.size=2", "population.batched=false", "population.evolve_every=2",
-         "population.eval_rows=8", "population.mutate_initial=true", "trainer.max_steps=4",
+         "population.eval_rows=8", "population.init=config", "population.selection=tournament",
+    "population.resample_prob=0", "population.mutate_initial=true", "trainer.max_steps=4",
          "checkpoint.every_n_steps=0", "eval.before_training=false", "eval.at_end=false",
          "trainer.val_check_interval=100"],
         output_dir=out,
@@ -281,7 +282,8 @@ def test_population_side_by_side_samples_every_member_in_one_engine(tmp_path):
     out = tmp_path / "run"
     cfg = compose_config(
         [*FAST, "rollout=vllm", "algo.lr=1e-2", "population.size=2", "population.batched=true",
-         "population.evolve_every=1", "population.eval_rows=8", "population.mutate_initial=true",
+         "population.evolve_every=1", "population.eval_rows=8", "population.init=config", "population.selection=tournament",
+    "population.resample_prob=0", "population.mutate_initial=true",
          "trainer.max_steps=6", "checkpoint.every_n_steps=0", "eval.before_training=false",
          "eval.at_end=false", "trainer.val_check_interval=100"],
         output_dir=out,

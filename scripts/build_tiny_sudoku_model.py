@@ -1,0 +1,253 @@
+"""Build the embedded Sudoku model (``model=tiny_sudoku``) from scratch, offline, with ``algo=sft``.
+
+A model sized for GEM's 4x4 Sudoku (``game:Sudoku-v0-easy``) as ``env.history=last`` shows it:
+each turn's prompt is GEM's instructions and the latest feedback and board, so the model plays
+from the board alone (the Markov view) and a turn costs O(board) tokens.
+
+1. Play Sudoku through ``env=gem`` itself with the scripted player of ``make_gem_sft_data.py``:
+   the solver's move (a cell with a single candidate) with probability ``--quality``, else a
+   mistake: a legal-looking wrong digit, a digit in a filled cell (an earlier move's cell
+   repeated, or a clue), or a malformed reply. ``--episodes`` games on train rows 0.., cut
+   into one SFT example per turn: the turn's prompt as the harness renders it with
+   ``env.history=last`` (:func:`~rlhf_lightning.rollout.chat.latest_view`) and the move.
+2. Train a byte-level BPE tokenizer on those examples rendered in the chat format and build a
+   Qwen2-style model (random weights, ``--layers`` x ``--hidden``).
+3. SFT (``algo=sft``, full fine-tuning, loss on the moves, examples packed; the instructions
+   every example starts with run once per micro-batch). Every ``--eval-every`` steps play
+   ``--eval-rows`` held-out boards (GEM seeds after the train ones whose boards no train seed has:
+   ``env.kwargs.eval_unseen``), greedy and sampled at temperature 1, and stop once the sampled
+   solve rate reaches ``--target`` after ``--min-steps``: RL has room to improve it. Or stop at
+   ``--max-steps`` / ``--max-minutes``.
+4. Save model, tokenizer and chat template to ``rlhf_lightning/assets/tiny_sudoku`` with
+   ``build_info.json`` (the recipe, the data's own solve and valid-move rates, the eval history).
+
+    OMP_NUM_THREADS=1 python scripts/build_tiny_sudoku_model.py    # the shipped model: see build_info.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from build_tiny_chat_model import compose_config
+from make_chat_sft_data import write_jsonl
+from make_gem_sft_data import SUDOKU_ID, gem_dialogues, summary
+
+from rlhf_lightning.algorithms.evaluation import episode_success
+from rlhf_lightning.config import ASSETS
+from rlhf_lightning.envs.gem import GemEnv
+from rlhf_lightning.models.tiny import build_tiny_model, build_tokenizer
+from rlhf_lightning.rollout.chat import ChatFormatter, latest_view
+from rlhf_lightning.rollout.engine import RolloutEngine, SamplingParams
+from rlhf_lightning.rollout.harness import RolloutHarness
+from rlhf_lightning.run import run
+
+MODEL_DIR = ASSETS / "tiny_sudoku"
+TRAIN_SIZE = 5000  # conf/experiment/gem_sudoku.yaml's env.kwargs.train_size: the train seeds
+MAX_TURNS = 15  # game:Sudoku-v0-easy's own limit
+MAX_MODEL_LEN = 640  # a turn's sequence: ~330 tokens of instructions, ~100 of board, the move
+
+
+def turn_examples(dialogue: dict[str, Any], instructions: str) -> list[dict[str, Any]]:
+    """One SFT example per turn of a GEM dialogue, as ``env.history=last`` prompts it: the first
+    turn's prompt is GEM's first observation, a later turn's the instructions and that turn's
+    observation (GEM's feedback and the new board)."""
+    messages = dialogue["messages"]
+    out = []
+    for k in range(0, len(messages), 2):
+        obs = messages[k]["content"]
+        prompt = obs if k == 0 else latest_view(instructions, obs)
+        out.append({"messages": [{"role": "user", "content": prompt}, messages[k + 1]], "row": dialogue["row"]})
+    return out
+
+
+def sudoku_harness(tokenizer: Any, eval_rows: int) -> RolloutHarness:
+    """``experiment=gem_sudoku``'s env: GEM's Sudoku with ``env.history=last``, held-out boards unseen."""
+    return RolloutHarness(
+        lambda: GemEnv(id=SUDOKU_ID, train_size=TRAIN_SIZE, eval_size=eval_rows, eval_unseen=True),
+        tokenizer,
+        ChatFormatter(tokenizer),
+        max_turns=MAX_TURNS,
+        max_model_len=MAX_MODEL_LEN,
+        history="last",
+    )
+
+
+def valid_move_rate(trajs: list[Any]) -> float:
+    """Turns whose move GEM accepted (``info["valid_move"]``) over all turns played."""
+    turns = sum(len(t.infos) for t in trajs)
+    return sum(bool(i.get("valid_move")) for t in trajs for i in t.infos) / max(turns, 1)
+
+
+def play_eval(harness: RolloutHarness, engine: RolloutEngine, sampling: SamplingParams, rows: int) -> dict:
+    """Solve rate, valid-move rate and turns per episode on held-out rows ``0..rows-1``, greedy and sampled."""
+    out = {}
+    for mode, params in (("greedy", dataclasses.replace(sampling, temperature=0.0)), ("sampled", sampling)):
+        trajs = harness.rollout(engine, list(range(rows)), params, evaluation=True).trajectories
+        out[f"solved_{mode}"] = round(sum(episode_success(t) for t in trajs) / len(trajs), 4)
+        out[f"valid_move_{mode}"] = round(valid_move_rate(trajs), 4)
+        out[f"turns_{mode}"] = round(sum(t.num_turns for t in trajs) / len(trajs), 3)
+    return out
+
+
+class EvalAndStop(L.Callback):
+    """At each validation play the held-out boards and record them; stop once the sampled solve
+    rate reaches ``target`` (after ``min_steps``), or after ``max_seconds``."""
+
+    def __init__(self, harness: RolloutHarness, rows: int, target: float, min_steps: int, max_seconds: float):
+        self.harness, self.rows, self.target, self.min_steps = harness, rows, target, min_steps
+        self.max_seconds = max_seconds
+        self.history: list[dict[str, Any]] = []
+        self.t0 = time.time()
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+        entry: dict[str, Any] = {"step": trainer.global_step, "seconds": round(time.time() - self.t0)}
+        entry |= play_eval(self.harness, pl_module.engine, pl_module.sampling, self.rows)
+        loss = trainer.callback_metrics.get("eval/loss")
+        if loss is not None:
+            entry["eval_loss"] = round(float(loss), 4)
+        self.history.append(entry)
+        print(json.dumps(entry), flush=True)
+        reached = entry["solved_sampled"] >= self.target and trainer.global_step >= self.min_steps
+        if trainer.state.fn == "fit" and reached:
+            trainer.should_stop = True
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if time.time() - self.t0 > self.max_seconds:
+            trainer.should_stop = True
+
+
+def save_untrained(tokenizer: Any, directory: Path, layers: int, hidden: int) -> int:
+    """A random Qwen2-style model sized to ``tokenizer``, saved with it like any local model;
+    returns its parameter count."""
+    model = build_tiny_model(
+        len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_layers=layers,
+        num_heads=hidden // 32,
+        num_kv_heads=max(hidden // 64, 1),
+        max_position_embeddings=MAX_MODEL_LEN,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return sum(p.numel() for p in model.parameters())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=MODEL_DIR)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--episodes", type=int, default=3000, help="scripted games on train rows 0..")
+    ap.add_argument("--quality", type=float, default=0.5, help="the scripted player's good-move probability")
+    ap.add_argument("--target", type=float, default=0.2, help="stop once the sampled solve rate >= this")
+    ap.add_argument("--min-steps", type=int, default=0, help="never stop before this many steps")
+    ap.add_argument("--max-steps", type=int, default=4000)
+    ap.add_argument("--max-minutes", type=float, default=60.0, help="stop (at a step end) after this long")
+    ap.add_argument("--batch-size", type=int, default=64, help="examples (turns) per step")
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--eval-every", type=int, default=200)
+    ap.add_argument("--eval-rows", type=int, default=100, help="held-out boards per evaluation and mode")
+    ap.add_argument("--vocab-size", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=128)
+    args = ap.parse_args()
+    if args.episodes > TRAIN_SIZE:
+        ap.error(f"--episodes must be at most {TRAIN_SIZE} (the train seeds; eval boards are checked against them)")
+    t0 = time.time()
+    work = Path(tempfile.mkdtemp(prefix="tiny_sudoku_build_"))
+    try:
+        # 1. Scripted games on train rows; one example per turn, shuffled (deterministic).
+        games = gem_dialogues("sudoku", args.episodes, args.quality, seed=args.seed, first_row=0)
+        instructions = GemEnv(id=SUDOKU_ID).reset(row_index=0)[1]["instructions"]
+        examples = [e for g in games for e in turn_examples(g, instructions)]
+        random.Random(f"sudoku-sft:{args.seed}").shuffle(examples)
+        held = examples[:500]  # the eval loss: turns of train games the steps never see
+        train = examples[500:]
+        write_jsonl(train, work / "train.jsonl")
+        write_jsonl(held, work / "eval.jsonl")
+        data = {"episodes": args.episodes, "examples": len(train), **summary(games)}
+        print(f"data: {data}; {time.time() - t0:.0f}s", flush=True)
+        # 2. Tokenizer on the rendered examples, a random model beside it.
+        bootstrap = build_tokenizer(["x"], vocab_size=300)  # only to render the chat template
+        corpus = [bootstrap.apply_chat_template(e["messages"], tokenize=False) for e in train[:8000]]
+        tokenizer = build_tokenizer(corpus, vocab_size=args.vocab_size)
+        base = work / "base"
+        params = save_untrained(tokenizer, base, args.layers, args.hidden)
+        print(f"vocab {len(tokenizer)}, parameters {params:,}", flush=True)
+        # 3. SFT on packed examples; the held-out boards played every --eval-every steps.
+        cfg = compose_config(
+            [
+                "algo=sft",
+                "model=local",
+                f"model.path={base}",
+                "model.finetune=full",
+                "model.dtype=float32",
+                "model.attn_implementation=sdpa",
+                f"algo.data_path={work / 'train.jsonl'}",
+                f"algo.eval_data_path={work / 'eval.jsonl'}",
+                f"algo.max_len={4 * MAX_MODEL_LEN}",
+                "algo.packing=true",
+                "algo.env_eval=false",
+                f"algo.lr={args.lr}",
+                "algo.warmup_steps=50",
+                "algo.min_lr_ratio=1.0",
+                f"algo.batch_size={args.batch_size}",
+                f"trainer.max_steps={args.max_steps}",
+                f"trainer.val_check_interval={args.eval_every}",
+                "env=gem",
+                f"env.max_model_len={MAX_MODEL_LEN}",
+                "rollout.max_new_tokens=10",
+                "checkpoint.every_n_steps=0",
+                "checkpoint.save_last=false",
+                "checkpoint.export_adapters=false",
+                "checkpoint.monitor=null",
+                "samples.every_n_steps=0",
+                "trainer.enable_progress_bar=false",
+                f"seed={args.seed}",
+                "num_threads=1",
+                f"output_dir={work / 'run'}",
+            ]
+        )
+        stop = EvalAndStop(
+            sudoku_harness(tokenizer, args.eval_rows), args.eval_rows, args.target, args.min_steps, args.max_minutes * 60
+        )
+        result = run(cfg, extra_callbacks=[stop])
+        module = result.module
+        # 4. Save.
+        if args.out.exists():
+            shutil.rmtree(args.out)
+        module.policy.model.save_pretrained(args.out)
+        tokenizer.save_pretrained(args.out)
+        info = {
+            "seed": args.seed,
+            "parameters": params,
+            "sft_steps": result.trainer.global_step,
+            "seconds": round(time.time() - t0),
+            "data": data,
+            "eval": {k: v for k, v in stop.history[-1].items() if k not in ("step", "seconds")},
+            "eval_rows": args.eval_rows,
+            "built_with": "scripts/build_tiny_sudoku_model.py (algo=sft)",
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "history": stop.history,
+        }
+        (args.out / "build_info.json").write_text(json.dumps(info, indent=1))
+        print(f"saved to {args.out} after {info['sft_steps']} SFT steps ({info['seconds']}s): {info['eval']}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
