@@ -138,8 +138,28 @@ def fit_recording(cfg: DictConfig, tmp_path: Path, steps: int):
     return module, trainer, seen, times
 
 
+# Under `make test` (pytest -n 2 --dist loadfile) each module runs on one worker, modules handed
+# out in collection order: the longest start first, so that neither worker is left alone with a
+# long module at the end (the rest keep their order).
+LONGEST_FIRST = (
+    "tests/test_strategies.py",
+    "tests/algorithms/test_async.py",
+    "tests/test_resume.py",
+    "tests/rollout/test_vllm_async.py",
+    "tests/algorithms/test_distributed.py",
+    "tests/test_results_and_sweeps.py",
+    "tests/test_train.py",
+    "tests/rollout/test_vllm.py",
+    "tests/test_export.py",
+    "tests/algorithms/test_offline.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
-    """``@pytest.mark.gpu`` tests are skipped, with the reason shown, where CUDA is absent."""
+    """The longest modules first (:data:`LONGEST_FIRST`); ``@pytest.mark.gpu`` tests are
+    skipped, with the reason shown, where CUDA is absent."""
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (marked gpu)")

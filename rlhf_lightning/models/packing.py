@@ -77,19 +77,21 @@ def unpacked_action_rows(
     mask = torch.zeros((count, longest), dtype=attention_mask.dtype, device=device)
     ids[seq, pos] = input_ids[real]
     mask[seq, pos] = 1
-    # Each action token's place in the unpacked batch, then the position that predicts it.
+    # Each token's place in the unpacked batch.
     seq_at = torch.full(input_ids.shape, -1, dtype=torch.long, device=device)
     pos_at = torch.full(input_ids.shape, -1, dtype=torch.long, device=device)
     seq_at[real], pos_at[real] = seq, pos
+    # Each action's predicting token (column t of the row: the token before the action, in the
+    # same sequence; or, for a value read after a row's last token, that token itself).
     b, t = action_mask.nonzero(as_tuple=True)
-    acts = torch.zeros((count, max(longest - 1, 1)), dtype=torch.bool, device=device)
-    acts[seq_at[b, t + 1], pos_at[b, t + 1] - 1] = True  # (S, M-1); order kept: (b, t) -> (s, p) is monotone
+    acts = torch.zeros((count, longest), dtype=torch.bool, device=device)
+    acts[seq_at[b, t], pos_at[b, t]] = True  # (S, M); order kept: (b, t) -> (s, p) is monotone
     shared = common_prefix(ids, mask, acts) if share_prefix and count > 1 else 0
     if shared >= 2:
         lens = torch.full((count,), shared, dtype=torch.long, device=device)
         return shared_prefix_hidden(body, ids, mask, acts, lens, torch.zeros_like(lens))
     hidden = body(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state  # (S, M, H)
-    return hidden[:, :-1][acts]
+    return hidden[acts]
 
 
 def common_prefix(ids: torch.Tensor, mask: torch.Tensor, acts: torch.Tensor) -> int:
@@ -99,7 +101,7 @@ def common_prefix(ids: torch.Tensor, mask: torch.Tensor, acts: torch.Tensor) -> 
 
     Args:
         ids, mask: right-padded sequences. Shape: (S, M)
-        acts: True where token p+1 is an action. Shape: (S, M-1)
+        acts: True at the positions whose hidden states are read. Shape: (S, M)
     """
     same = ((ids == ids[:1]) & mask.bool() & mask[:1].bool()).all(0)  # (M,)
     n = int(same.long().cumprod(0).sum())

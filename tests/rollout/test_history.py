@@ -138,14 +138,16 @@ def test_full_history_is_one_sequence(tiny_tokenizer):
 def test_max_model_len_bounds_each_sequence_with_history_last(tiny_tokenizer):
     tok = tiny_tokenizer
     factory = lambda: GuessNumberEnv(max_turns=8)  # noqa: E731
-    short = RolloutHarness(factory, tok, ChatFormatter(tok), max_turns=8, max_model_len=140)
-    last = RolloutHarness(factory, tok, ChatFormatter(tok), max_turns=8, max_model_len=140, history="last")
     eng = lambda: RandomEngine(tok, seed=2, cut_prob=0)  # noqa: E731
-    full_turns = max(t.num_turns for t in short.rollout(eng(), [1, 2], SamplingParams(6)).trajectories)
-    result = last.rollout(eng(), [1, 2], SamplingParams(6))
-    assert max(t.num_turns for t in result.trajectories) > full_turns
-    for t in result.trajectories:
-        assert max(t.segment_lengths()) + 6 <= 140 < len(t.token_ids) or t.num_turns <= full_turns
+    full = RolloutHarness(factory, tok, ChatFormatter(tok), max_turns=8, max_model_len=140)
+    last = RolloutHarness(factory, tok, ChatFormatter(tok), max_turns=8, max_model_len=140, history="last")
+    cut_by_length = full.rollout(eng(), [1, 2], SamplingParams(6)).trajectories
+    assert all(len(t.token_ids) <= 140 for t in cut_by_length)
+    played = last.rollout(eng(), [1, 2], SamplingParams(6)).trajectories
+    assert max(t.num_turns for t in played) > max(t.num_turns for t in cut_by_length)
+    assert any(len(t.token_ids) > 140 for t in played)  # the episode is not bounded, each turn is
+    for t in played:
+        assert max(t.segment_lengths()) <= 140
 
 
 def test_a_tool_env_refuses_history_last(tiny_tokenizer):
@@ -188,3 +190,17 @@ def test_packed_turns_score_as_each_sequence_alone(tiny_model, tiny_tokenizer, h
             torch.testing.assert_close(heads["value"][i, s : e - 1], values[0], rtol=0, atol=1e-5)
             checked += 1
     assert checked > len(result.trajectories)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_training_steps_with_history_last(fast_cfg, tmp_path, algo):
+    """Two updates on guess_number with each turn its own sequence: GRPO, and PPO (turn-level
+    GAE: each turn's value from its own sequence, truncated episodes bootstrapped from the
+    prompt of the turn that never came)."""
+    from tests.conftest import fit_steps
+
+    cfg = fast_cfg("experiment=guess_number", f"algo={algo}", "env.history=last", "trainer.max_steps=2")
+    module, trainer = fit_steps(cfg, tmp_path, steps=2)
+    assert trainer.global_step == 2
+    assert trainer.callback_metrics["rollout/num_turns"] > 1
