@@ -11,7 +11,7 @@ from rlhf_lightning.rollout.trajectory import segment_positions
 def test_the_layout_puts_each_token_at_its_sequence_and_position():
     pos = segment_positions([[3, 2], [4]], 6)  # row 0: two sequences, row 1: one, right-padded
     mask = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0]])
-    real, seq, p, count, longest = sequence_layout(pos, mask)
+    _, seq, p, count, longest = sequence_layout(pos, mask)
     assert count == 3 and longest == 4
     assert seq.tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 2] and p.tolist() == [0, 1, 2, 0, 1, 0, 1, 2, 3]
 

@@ -65,5 +65,5 @@ def test_bad_population_settings_are_refused_with_the_fix(tmp_path):
         cfg = compose_config([*FAST, "population.size=2", override], output_dir=tmp_path)
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             validate(cfg)
-    with pytest.raises(Exception, match="population.init"):
+    with pytest.raises(Exception, match=r"population\.init"):
         compose_config([*FAST, "population.size=2", "population.init=random"], output_dir=tmp_path)

@@ -201,6 +201,6 @@ def test_training_steps_with_history_last(fast_cfg, tmp_path, algo):
     from tests.conftest import fit_steps
 
     cfg = fast_cfg("experiment=guess_number", f"algo={algo}", "env.history=last", "trainer.max_steps=2")
-    module, trainer = fit_steps(cfg, tmp_path, steps=2)
+    _, trainer = fit_steps(cfg, tmp_path, steps=2)
     assert trainer.global_step == 2
     assert trainer.callback_metrics["rollout/num_turns"] > 1
