@@ -5,11 +5,12 @@
         --plot docs/learning_gem_guess_number.png
 
 Like ``bench/learning.py`` (whose curves and window means it reuses), one training run per
-algorithm and seed, each in its own process (``OMP_NUM_THREADS=1``, ``num_threads=1``), then one
+algorithm and seed, each in its own process, one at a time (``--threads`` torch threads), then one
 markdown table: solve rate (GEM's "Congratulations!", sampled at the training temperature and
 greedy) before the first update and at the end, the valid-move rate on the same eval episodes
 (the turns whose move GEM accepted, ``info["valid_move"]`` of ``env=gem``), the run's wall time
-and turns per episode (mean over the first and the last 10 training steps). Each run's row is
+turns per episode (mean over the first and the last 10 training steps) and the tokens an episode
+costs in the update (``rollout/episode_tokens``, over the run). Each run's row is
 also written to its directory (``bench.json``); ``--reuse`` trains nothing and tabulates and plots
 the runs earlier commands made (one table and plot over, e.g., 3 CISPO seeds and 1 GRPO seed).
 
@@ -102,6 +103,9 @@ def main() -> None:
     ap.add_argument("--algos", nargs="+", default=["cispo"])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])
     ap.add_argument("--args", nargs="*", default=[], help="extra overrides for every run")
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch threads of each run (runs go one at a time)"
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench_gem")
     ap.add_argument("--plot", type=Path, default=None, help="write eval solve-rate curves to this PNG")
     ap.add_argument(
@@ -117,12 +121,12 @@ def main() -> None:
     print(
         "| algo | seed | solved sampled before -> after | solved greedy before -> after "
         "| valid moves sampled before -> after | valid moves greedy before -> after | wall s "
-        "| turns first / last | steps |"
+        "| turns first / last | tokens / episode | steps |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     curves: dict[str, list[dict[str, float]]] = {}
     rows = []
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "TOKENIZERS_PARALLELISM": "false"}
     for algo in a.algos:
         for seed in a.seeds:
             out = a.out / f"{a.experiment}_{algo}_seed{seed}"
@@ -131,7 +135,7 @@ def main() -> None:
                 f"algo={algo}",
                 f"seed={seed}",
                 f"output_dir={out}",
-                "num_threads=1",
+                f"num_threads={a.threads}",
                 "trainer.enable_progress_bar=false",
                 *a.args,
             ]
@@ -162,6 +166,12 @@ def main() -> None:
                 window_mean(metrics, "rollout/num_turns", n=10, first=True) or 0.0,
                 window_mean(metrics, "rollout/num_turns", n=10) or 0.0,
             )
+            tokens = (
+                window_mean(
+                    metrics, "rollout/episode_tokens", n=len(metrics.get("rollout/episode_tokens", []))
+                )
+                or 0.0
+            )
             steps = max(s for s, _ in metrics["rollout/num_turns"])
             row = {
                 "algo": algo,
@@ -172,14 +182,16 @@ def main() -> None:
                 "valid_move_greedy": list(vg),
                 "wall_s": round(wall),
                 "turns": list(turns),
+                "episode_tokens": round(tokens),
                 "steps": steps,
+                "threads": a.threads,
             }
             rows.append(row)
             done.write_text(json.dumps(row, indent=1))
             print(
                 f"| {algo} | {seed} | {first['sampled']:.3f} -> {last['sampled']:.3f} "
                 f"| {first['greedy']:.3f} -> {last['greedy']:.3f} | {vs[0]:.3f} -> {vs[1]:.3f} "
-                f"| {vg[0]:.3f} -> {vg[1]:.3f} | {wall:.0f} | {turns[0]:.2f} / {turns[1]:.2f} | {steps} |",
+                f"| {vg[0]:.3f} -> {vg[1]:.3f} | {wall:.0f} | {turns[0]:.2f} / {turns[1]:.2f} | {tokens:.0f} | {steps} |",
                 flush=True,
             )
     (a.out / f"{a.experiment}_results.json").write_text(json.dumps(rows, indent=1))

@@ -380,4 +380,6 @@ class RolloutHarness:
         out["rollout/truncated_frac"] = sum(t.truncated for t in trajs) / max(len(trajs), 1)
         out["rollout/cut_frac"] = sum(t.cut for t in trajs) / max(len(trajs), 1)
         out["rollout/num_turns"] = sum(t.num_turns for t in trajs) / max(len(trajs), 1)
+        # the tokens an episode costs in the update (every sequence of it, with env.history=last)
+        out["rollout/episode_tokens"] = sum(len(t.token_ids) for t in trajs) / max(len(trajs), 1)
         return out
