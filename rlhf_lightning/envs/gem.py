@@ -216,7 +216,10 @@ def unseen_eval_seeds(
     """``eval_size`` seeds after the train seeds whose first observation (the puzzle) is none of
     the train seeds' first observations: evaluation then plays only boards that training can
     never have played. Each train seed is reset once (game:Sudoku-v0-easy: ~1.7 ms each), once
-    per process; the seeds scanned past ``seed + train_size + eval_size`` stay below 2**32."""
+    per process. The first observation stands for the puzzle: right for Sudoku (its board), not
+    for a game that hides it (GuessTheNumber's target: its observation differs only in an
+    example number). A game whose starts all look alike has no unseen ones: at most
+    ``100 x eval_size`` seeds are tried before a ConfigError says so."""
     env = copy.deepcopy(prototype(env_id, kwargs_json))
     rng = PrivateRng()
 
@@ -227,16 +230,19 @@ def unseen_eval_seeds(
 
     seen = {first_obs(s) for s in range(seed, seed + train_size)}
     out: list[int] = []
-    s = seed + train_size
-    while len(out) < eval_size:
-        if s >= SEED_LIMIT:
-            raise ConfigError(
-                "env.kwargs.eval_unseen", True, "fewer train seeds: no unseen eval seeds are left"
-            )
+    start = seed + train_size
+    for s in range(start, min(start + 100 * eval_size, SEED_LIMIT)):
         if first_obs(s) not in seen:
             out.append(s)
-        s += 1
-    return tuple(out)
+            if len(out) == eval_size:
+                return tuple(out)
+    raise ConfigError(
+        "env.kwargs.eval_unseen",
+        True,
+        f"a game whose first observation shows its puzzle: {env_id} gave {len(out)} unseen starts in "
+        f"{100 * eval_size} seeds after the {train_size} train seeds (set env.kwargs.eval_unseen=false, "
+        "or fewer train seeds)",
+    )
 
 
 def compose(obs: str, info: dict[str, Any]) -> str:

@@ -310,3 +310,40 @@ def test_three_training_steps_with_tiny_chat_replay_through_gem(fast_cfg, tmp_pa
         assert len(result.trajectories) == 16
         assert_replays(env_id, result.trajectories)
     print(f"{env_id}: step times {[round(t, 2) for t in times]} s")
+
+
+def test_eval_unseen_plays_only_boards_no_train_seed_starts_with():
+    from rlhf_lightning.envs.gem import unseen_eval_seeds
+
+    env = GemEnv(id=SUDOKU, train_size=300, eval_size=40, eval_unseen=True)
+    train = {GemEnv(id=SUDOKU, train_size=300).reset(row_index=i)[0] for i in range(300)}
+    evals = [env.reset(row_index=j, evaluation=True) for j in range(40)]
+    seeds = [info["gem_seed"] for _, info in evals]
+    assert len(set(seeds)) == 40 and min(seeds) >= 300  # after the train seeds
+    assert not {obs for obs, _ in evals} & train  # no held-out board is a train board
+    assert seeds == list(unseen_eval_seeds(SUDOKU, "{}", 0, 300, 40))  # the same every time
+    # a seed skipped is one whose board a train seed has
+    skipped = sorted(set(range(300, seeds[-1])) - set(seeds))
+    for s in skipped:
+        raw = GemEnv(id=SUDOKU, train_size=1, eval_size=1)
+        raw.env.reset(seed=s)
+        assert any(raw.env.board == b for b in [parse_board_of(o) for o in train])
+
+
+def parse_board_of(obs: str) -> list[list[int]]:
+    rows = [line.split()[1:] for line in obs.splitlines() if line.startswith("R")]
+    return [[0 if c == "." else int(c) for c in r if c != "|"] for r in rows]
+
+
+def test_eval_unseen_refuses_a_game_whose_start_hides_its_puzzle(monkeypatch):
+    import rlhf_lightning.envs.gem as gem_env
+
+    class SameStart:  # a game whose first observation is the same whatever the seed
+        def reset(self, seed=None):
+            return "Guess my number.", {}
+
+    gem_env.unseen_eval_seeds.cache_clear()
+    monkeypatch.setattr(gem_env, "prototype", lambda env_id, kwargs: SameStart())
+    with pytest.raises(ConfigError, match=r"env\.kwargs\.eval_unseen.*0 unseen starts in 500 seeds"):
+        gem_env.unseen_eval_seeds("game:Same-v0", "{}", 0, 10, 5)
+    gem_env.unseen_eval_seeds.cache_clear()
