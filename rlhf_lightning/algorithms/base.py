@@ -40,8 +40,7 @@ from rlhf_lightning.learner.scoring import finalize_rewards
 from rlhf_lightning.models.policy import Policy
 from rlhf_lightning.models.sharding import gathered
 from rlhf_lightning.rollout.async_plan import BatchSource
-from rlhf_lightning.rollout.async_rollout import AsyncRollouts
-from rlhf_lightning.rollout.collector import Collector
+from rlhf_lightning.rollout.collector import AsyncBatches, Collector
 from rlhf_lightning.rollout.engine import RolloutEngine, SamplingParams
 from rlhf_lightning.rollout.harness import RolloutHarness, RolloutResult
 from rlhf_lightning.rollout.hooks import hook_callbacks
@@ -91,7 +90,7 @@ class RolloutModule(RolloutEvaluation):
         num_samples_to_keep: int = 4,
         num_train_rows: int | None = None,
         eval_num_samples: int = 1,
-        async_rollouts: AsyncRollouts | None = None,
+        async_rollouts: AsyncBatches | None = None,
     ) -> None:
         super().__init__(policy, hp)
         self.collector = Collector(async_rollouts)  # the training rollouts: now, or from the producer

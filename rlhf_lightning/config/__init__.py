@@ -38,6 +38,7 @@ __all__ = [
     "StrategyConfig",
     "TrainerConfig",
     "VLLMRolloutConfig",
+    "VLLMServerRolloutConfig",
     "register_configs",
 ]
 

@@ -97,7 +97,11 @@ def validate_optim(a: DictConfig) -> None:
 
 
 def validate_rollout(r: DictConfig) -> None:
-    check(r.engine in ("hf", "vllm"), "rollout.engine", r.engine, "one of hf, vllm")
+    check(
+        r.engine in ("hf", "vllm", "vllm_server"), "rollout.engine", r.engine, "one of hf, vllm, vllm_server"
+    )
+    if r.engine == "vllm_server":
+        validate_server_fields(r)
     if r.engine == "vllm":
         check(r.sleep_mode_level in (1, 2), "rollout.sleep_mode_level", r.sleep_mode_level, "1 or 2")
         check(
@@ -141,6 +145,37 @@ def validate_rollout(r: DictConfig) -> None:
         "> 0 or null",
     )
     validate_async_fields(r)
+
+
+def validate_server_fields(r: DictConfig) -> None:
+    """``rollout=vllm_server``'s own fields (docs/guides/inference-servers.md)."""
+    servers = None if r.servers is None else list(r.servers)
+    check(
+        servers is None
+        or (
+            len(servers) > 0
+            and all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in servers)
+        ),
+        "rollout.servers",
+        servers,
+        "null (the run starts its servers) or a list of URLs such as [http://10.0.0.5:8000]",
+    )
+    devices = None if r.server_devices is None else list(r.server_devices)
+    check(
+        devices is None or (len(devices) > 0 and all(isinstance(d, str) and d for d in devices)),
+        "rollout.server_devices",
+        devices,
+        "null (one server) or one CUDA_VISIBLE_DEVICES string per server, e.g. ['0', '1'] or ['0,1']",
+    )
+    check(
+        servers is None or devices is None,
+        "rollout.server_devices",
+        devices,
+        "null with rollout.servers (the run starts no server when it is given URLs)",
+    )
+    for name in ("max_concurrency", "request_timeout_s", "server_start_timeout_s", "max_loras"):
+        check(r[name] > 0, f"rollout.{name}", r[name], "> 0")
+    check(r.request_retries >= 0, "rollout.request_retries", r.request_retries, ">= 0")
 
 
 def validate_async_fields(r: DictConfig) -> None:

@@ -133,6 +133,35 @@ class VLLMRolloutConfig(RolloutConfig):
 
 
 @dataclass
+class VLLMServerRolloutConfig(RolloutConfig):
+    """Rollouts on vLLM inference servers (``rollout=vllm_server``); see
+    docs/guides/inference-servers.md and rlhf_lightning/rollout/vllm_server.py."""
+
+    engine: str = "vllm_server"
+    servers: list[str] | None = None  # running servers' URLs (http://host:port); null: the run starts them
+    # Servers the run starts: one per entry, the entry its CUDA_VISIBLE_DEVICES ("0"; "1,2": tensor
+    # parallel over two GPUs); null: one server on the trainer's own devices
+    server_devices: list[str] | None = None
+    server_args: list[str] = field(default_factory=list)  # more arguments for the servers the run starts
+    served_model_name: str | None = None  # the base model's name on the servers; null: the one they serve
+    # Where each version of the trained weights is written for the servers to read (a shared
+    # filesystem when they run on other nodes); null: <run>/server_weights
+    sync_dir: str | None = None
+    max_concurrency: int = 32  # requests in flight per server
+    request_timeout_s: float = 300.0  # each try of a request (no socket read waits longer)
+    request_retries: int = 3  # tries after the first, with exponential backoff (a gone server: none)
+    server_start_timeout_s: float = 600.0  # the longest wait for the servers' /health at start
+    max_loras: int = 2  # servers the run starts: LoRA adapters one batch may hold
+    # Servers the run starts, as for rollout=vllm:
+    dtype: str = "auto"  # the servers' dtype; auto: the checkpoint's
+    max_model_len: int | None = None  # default: env.max_model_len
+    gpu_memory_utilization: float = 0.5
+    kv_cache_memory_bytes: int | None = None  # explicit KV-cache size (64 MiB on a machine without CUDA)
+    enforce_eager: bool = True
+    enable_prefix_caching: bool = True
+
+
+@dataclass
 class EnvConfig:
     _target_: str = MISSING  # the TextEnv class; env.kwargs go to its constructor
     kwargs: dict[str, Any] = field(default_factory=dict)
@@ -362,6 +391,7 @@ def register_configs() -> None:
         ("env", "env", EnvConfig),
         ("rollout", "rollout", RolloutConfig),
         ("rollout", "vllm", VLLMRolloutConfig),
+        ("rollout", "vllm_server", VLLMServerRolloutConfig),
         ("reward", "reward", RewardConfig),
         ("strategy", "strategy", StrategyConfig),
         ("logger", "logger", LoggerConfig),

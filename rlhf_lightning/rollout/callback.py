@@ -4,7 +4,7 @@
     batch start    -> wake, sync weights if the policy changed since the last sync
     rollouts done  -> sleep (before the first training forward), offload nothing else
     validation     -> wake and sync before, sleep after
-    teardown (fit) -> shut down
+    teardown (fit) -> shut down (an engine that ``outlives_fit``: at the run's end)
 
 Every transition is idempotent, so the order of other callbacks does not matter.
 """
@@ -87,7 +87,10 @@ class RolloutEngineCallback(RolloutHooks, L.Callback):
         self.release(pl_module)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if stage == "fit":
+        """Shut the engine down after the fit, unless it outlives fits (inference servers take
+        minutes to start: the run's end shuts them down, after its last evaluation)."""
+        engine = cast(EngineOwner, pl_module).engine
+        if stage == "fit" and not getattr(engine, "outlives_fit", False):
             self.close(pl_module)
 
     def on_exception(

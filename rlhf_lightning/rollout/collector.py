@@ -2,8 +2,9 @@
 
 Synchronous (``rollout.mode=sync``): the step's episodes are generated now, by the module's
 engine, with the current weights. Asynchronous: they come from the producer process
-(:class:`~rlhf_lightning.rollout.async_rollout.AsyncRollouts`), generated ahead with the
-versions its staleness bound allows; after each update the collector publishes the new weights
+(:class:`~rlhf_lightning.rollout.async_rollout.AsyncRollouts`), or with ``rollout=vllm_server``
+from the inference servers (:class:`~rlhf_lightning.rollout.server_async.ServerRollouts`),
+generated ahead with the versions its staleness bound allows; after each update the collector publishes the new weights
 and requests the next batch. The collector counts the steps done (the policy version) and
 checkpoints what a resume needs.
 """
@@ -11,26 +12,45 @@ checkpoints what a resume needs.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from rlhf_lightning.rollout.async_plan import BatchSource, is_stale
-from rlhf_lightning.rollout.async_rollout import AsyncRollouts
 from rlhf_lightning.rollout.engine import SamplingParams
 from rlhf_lightning.rollout.harness import RolloutResult
 
 Metrics = dict[str, torch.Tensor]
 
 
+class AsyncBatches(Protocol):
+    """Asynchronous rollouts as the collector drives them: the producer process's
+    (:class:`~rlhf_lightning.rollout.async_rollout.AsyncRollouts`) or the inference servers'
+    (:class:`~rlhf_lightning.rollout.server_async.ServerRollouts`)."""
+
+    def rollout(
+        self, step: int, rows: list[int], sampling: SamplingParams, group_size: int, source: BatchSource
+    ) -> tuple[RolloutResult, Metrics]: ...
+
+    def updated(
+        self, version: int, sampling: SamplingParams, group_size: int, source: BatchSource
+    ) -> None: ...
+
+    def state_dict(self, batches_done: int) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class Collector:
     """Training rollouts now or from the producer.
 
     Args:
-        async_rollouts: the producer's trainer side (``rollout.mode=async``), or None.
+        async_rollouts: the producer's (or the servers') trainer side (``rollout.mode=async``), or None.
     """
 
-    def __init__(self, async_rollouts: AsyncRollouts | None = None) -> None:
+    def __init__(self, async_rollouts: AsyncBatches | None = None) -> None:
         self.async_rollouts = async_rollouts
         self.batches_done = 0  # training steps done: the current policy version
 

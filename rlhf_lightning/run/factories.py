@@ -47,6 +47,8 @@ from rlhf_lightning.rollout.chat import ChatFormatter, check_template, env_tools
 from rlhf_lightning.rollout.engine import SamplingParams
 from rlhf_lightning.rollout.harness import RolloutHarness
 from rlhf_lightning.rollout.hf import HFEngine
+from rlhf_lightning.rollout.server_async import ServerRollouts
+from rlhf_lightning.run.server_factory import server_engine, server_rollouts
 
 log = logging.getLogger(__name__)
 
@@ -141,10 +143,14 @@ def sampling_from(r: DictConfig) -> SamplingParams:
     )
 
 
-def build_engine(cfg: DictConfig, policy: Any, tokenizer: Any, kind: str | None = None) -> Any:
+def build_engine(
+    cfg: DictConfig, policy: Any, tokenizer: Any, kind: str | None = None, output_dir: Path | None = None
+) -> Any:
     """The rollout engine ``kind`` (default: ``rollout.engine``): HF ``generate`` on the policy
-    itself, or a colocated vLLM (started lazily)."""
+    itself, a colocated vLLM (started lazily), or vLLM servers (logs and weights in ``output_dir``)."""
     r = cfg.rollout
+    if (kind or r.engine) == "vllm_server":
+        return server_engine(cfg, output_dir)
     if (kind or r.engine) == "hf":
         return HFEngine(
             policy.generation_model,
@@ -239,8 +245,11 @@ class ProducerBuild:
         return harness, engine, policy
 
 
-def async_rollouts_from(cfg: DictConfig, output_dir: Path | None = None) -> AsyncRollouts | None:
-    """The ``rollout`` node's producer (``mode=async``; its spool in ``output_dir``), or None (``sync``)."""
+def async_rollouts_from(
+    cfg: DictConfig, output_dir: Path | None = None, policy: Any = None, tokenizer: Any = None
+) -> AsyncRollouts | ServerRollouts | None:
+    """The ``rollout`` node's producer (``mode=async``; its spool in ``output_dir``), the servers'
+    (``rollout=vllm_server``: publishing ``policy``, on a harness of their own), or None (``sync``)."""
     r = cfg.rollout
     if r.mode != "async":
         return None
@@ -254,6 +263,9 @@ def async_rollouts_from(cfg: DictConfig, output_dir: Path | None = None) -> Asyn
         devices=tuple(r.devices) if r.devices is not None else None,
         spool_dir=str(output_dir) if output_dir is not None else None,
     )
+    if r.engine == "vllm_server":
+        harness, _, _ = harness_from(cfg, tokenizer, get_algorithm(cfg.algo.module))
+        return server_rollouts(cfg, output_dir, settings, harness, policy)
     return AsyncRollouts(ProducerBuild(OmegaConf.to_yaml(cfg, resolve=True)), settings, cfg.env.max_turns)
 
 
@@ -271,7 +283,7 @@ def build(cfg: DictConfig, output_dir: Path) -> tuple[L.LightningModule, L.Light
     hp = OmegaConf.to_object(a)
     policy = policy_from(model, m, a, spec, hp)
     # async: the producer holds the run's engine; the trainer evaluates (and refills) with HF generate
-    engine = build_engine(cfg, policy, tokenizer, "hf" if cfg.rollout.mode == "async" else None)
+    engine = build_engine(cfg, policy, tokenizer, "hf" if cfg.rollout.mode == "async" else None, output_dir)
     evals = {
         "eval_greedy": cfg.eval.greedy,
         "eval_sampled": cfg.eval.sampled,
@@ -288,7 +300,7 @@ def build(cfg: DictConfig, output_dir: Path) -> tuple[L.LightningModule, L.Light
             **evals,
             num_samples_to_keep=cfg.samples.num,
             num_train_rows=train_rows,
-            async_rollouts=async_rollouts_from(cfg, output_dir),
+            async_rollouts=async_rollouts_from(cfg, output_dir, policy, tokenizer),
         )
         dm: L.LightningDataModule = PromptDataModule(
             train_rows, eval_rows, a.prompts_per_step, cfg.eval.batch_size, seed=cfg.seed
