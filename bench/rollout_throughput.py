@@ -1,7 +1,14 @@
-"""Rollout throughput: HF generate vs colocated vLLM, and the harness's overhead over the raw engine.
+"""Rollout throughput: HF generate vs colocated vLLM vs a vLLM server, and the harness's overhead
+over the raw engine.
 
     .venv/bin/python bench/rollout_throughput.py                  # 64 prompts x group 8, tiny model
     .venv/bin/python bench/rollout_throughput.py --engines hf     # without vLLM
+    .venv/bin/python bench/rollout_throughput.py --engines vllm server --concurrency 32 128
+
+``server`` is ``rollout=vllm_server``: one vLLM OpenAI-compatible server the bench starts on this
+machine (as a run with ``rollout.servers=null`` does), the same model, dtype and LoRA adapter as
+the colocated engine, one HTTP request per completion, ``--concurrency`` requests in flight (one
+row per value).
 
 For each engine: ``raw`` = one ``engine.generate`` call on the 512 pre-tokenised prompts;
 ``harness`` = ``RolloutHarness.rollout`` for the same 64 env rows x 8 (env resets, chat
@@ -30,7 +37,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--engines", nargs="+", default=["hf", "vllm"], choices=["hf", "vllm"])
+    ap.add_argument("--engines", nargs="+", default=["hf", "vllm"], choices=["hf", "vllm", "server"])
+    ap.add_argument("--concurrency", nargs="+", type=int, default=[32], help="server: requests in flight")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -61,19 +69,25 @@ def main() -> None:
             times.append(time.perf_counter() - t0)
         return statistics.median(times), out
 
-    results = []
-    for name in a.engines:
-        if name == "hf":
-            engine = HFEngine(policy.generation_model, tok.pad_token_id, [tok.eos_token_id])
-        else:
-            try:
-                from rlhf_lightning.rollout.vllm import VLLMEngine
-
+    def engines():
+        """(row name, engine) for each engine asked for (a server: one row per concurrency)."""
+        for name in a.engines:
+            if name == "hf":
+                yield "hf", HFEngine(policy.generation_model, tok.pad_token_id, [tok.eos_token_id])
+            elif name == "vllm":
+                try:
+                    from rlhf_lightning.rollout.vllm import VLLMEngine
+                except ImportError as err:
+                    print(f"skipping vllm: {err}", file=sys.stderr)
+                    continue
                 engine = VLLMEngine(path, dtype="float32", lora_rank=16)
                 engine.sync_weights(policy)
-            except ImportError as err:
-                print(f"skipping vllm: {err}", file=sys.stderr)
-                continue
+                yield "vllm (colocated)", engine
+            else:
+                yield from server_engines(path, policy, a.concurrency)
+
+    results = []
+    for name, engine in engines():
         raw_s, comps = timed(lambda engine=engine: engine.generate(flat, params))
         tokens = sum(len(c.token_ids) for c in comps)
         harness_s, result = timed(
@@ -93,6 +107,24 @@ def main() -> None:
         print(
             f"| {name} | {raw_s:.3f} | {n / raw_s:.0f} | {tokens / raw_s:.0f} | {harness_s:.3f} | {100 * (harness_s / raw_s - 1):+.1f}% |"
         )
+
+
+def server_engines(path: str, policy, concurrencies: list[int]):
+    """One vLLM server started here (LoRA, fp32), then driven by URL with each concurrency."""
+    from rlhf_lightning.rollout.server_process import LaunchSpec
+    from rlhf_lightning.rollout.vllm_server import ServerSettings, VLLMServerEngine
+
+    launch = LaunchSpec(path, dtype="float32", lora_rank=16)
+    owner = VLLMServerEngine(ServerSettings(launch=launch, log_dir=os.environ.get("BENCH_SERVER_LOGS")))
+    try:
+        owner.start()
+        urls = tuple(p.url for p in owner.processes)
+        for c in concurrencies:
+            engine = VLLMServerEngine(ServerSettings(urls=urls, max_concurrency=c))
+            engine.sync_weights(policy)
+            yield f"vllm server, {c} in flight", engine
+    finally:
+        owner.shutdown()
 
 
 if __name__ == "__main__":

@@ -32,6 +32,10 @@ from rlhf_lightning.runtime.group_guard import describe, kill_group, popen_guard
 
 HOST = "127.0.0.1"
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM sizes its LoRA slots for
+# vLLM's CPU build (0.32) ends its engine with "CPU Generator does not use offset" when a seeded
+# request's prefill is split over two steps (chunked prefill rewinds the request's generator; a
+# CPU generator cannot). Every request here is seeded, so a CPU server prefills whole prompts.
+CPU_SEEDED_REQUESTS = ("--no-enable-chunked-prefill", "--max-num-batched-tokens")
 
 
 class ServerStartError(RuntimeError):
@@ -114,6 +118,8 @@ def server_command(spec: LaunchSpec, port: int, devices: str | None) -> list[str
         cmd += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
     if spec.kv_cache_memory_bytes is not None or not on_gpu:
         cmd += ["--kv-cache-memory-bytes", str(spec.kv_cache_memory_bytes or 64 << 20)]
+    if not on_gpu:  # whole prefills only: see CPU_SEEDED_REQUESTS
+        cmd += [*CPU_SEEDED_REQUESTS, str(max(spec.max_model_len, 2048))]
     return [*cmd, *spec.extra_args]
 
 
@@ -166,7 +172,7 @@ class ServerProcess:
             return None
         if code > 128:  # the guard reports a command killed by signal N as 128 + N
             return describe(128 - code)
-        return describe(code) if code >= 0 else f"(its guard) {describe(code)}"
+        return describe(code) if code >= 0 else f"{describe(code)} (its guard process, which ends it)"
 
     def where(self) -> str:
         """Where to look: the log (its last lines are in the error messages too)."""

@@ -5,10 +5,11 @@ HTTP to one or more vLLM OpenAI-compatible servers, started by the run
 Token ids in, token ids and the sampled tokens' log-probs out (``/v1/completions`` with a
 token-id prompt, ``logprobs=0`` and ``return_token_ids``), so trajectories stay token-exact and
 each turn of a multi-turn episode is a request of its own (the server's prefix cache holds the
-conversation so far). Every prompt is one request with its own seed (the call's seed + its
-index, the call's seed drawn from torch's generator when the call has none: a run is
-reproducible and resumes exactly), up to ``rollout.max_concurrency`` in flight per server, the
-call's prompts split into one contiguous share per server (a group's episodes share a server).
+conversation so far). Prompt i of a call is sampled with the seed the call's seed + i (the
+call's seed drawn from torch's generator when it has none: a run is reproducible and resumes
+exactly); a run of equal prompts (a group's episodes) is one request for that many samples,
+which draws the same. Up to ``rollout.max_concurrency`` requests are in flight per server, the
+call's requests split into one contiguous share per server.
 
 Weights by version: :meth:`VLLMServerEngine.publish` writes the trainable weights as a directory
 the servers read (:mod:`~rlhf_lightning.rollout.server_weights`); :meth:`~VLLMServerEngine.use`
@@ -29,7 +30,7 @@ import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -314,21 +315,39 @@ class VLLMServerEngine:
                 "VLLMServerEngine: sync_weights(policy) (or use(version)) must run before generate"
             )
         first = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - 1, (1,)).item())
-        bodies = [request_body(model, ids, params, first + i) for i, ids in enumerate(prompt_token_ids)]
-        owners = [i * len(self.clients) // max(len(bodies), 1) for i in range(len(bodies))]
+        runs = same_prompt_runs(prompt_token_ids, params.n)
+        bodies = [
+            request_body(model, prompt_token_ids[i], replace(params, n=params.n * count), first + i)
+            for i, count in runs
+        ]
+        owners = [r * len(self.clients) // max(len(runs), 1) for r in range(len(runs))]
         futures = [self.pools[k].submit(self.clients[k].complete, b) for k, b in zip(owners, bodies)]
         out: list[Completion] = []
         try:
-            for i, (k, future) in enumerate(zip(owners, futures)):
+            for (i, count), k, future in zip(runs, owners, futures):
                 try:
                     answer = future.result(timeout=self.s.request.longest_s())
                 except FutureTimeout:
                     raise ServerError(f"no answer from {self.clients[k].url} within its retries") from None
-                out += completions_of(answer, i, self.clients[k].url)
+                out += completions_of(answer, i, self.clients[k].url, spread=count > 1)
         finally:
             for future in futures:
                 future.cancel()
         return out
+
+
+def same_prompt_runs(prompts: list[list[int]], n: int) -> list[tuple[int, int]]:
+    """(first index, length) of each run of equal consecutive prompts (a group's episodes), sent as
+    one request for that many samples: vLLM seeds sample j of a request seeded s with s + j, so
+    they draw what one request per prompt would (prompt i seeded with the call's seed + i). With
+    ``n > 1`` every prompt is a request of its own."""
+    runs: list[tuple[int, int]] = []
+    for i, prompt in enumerate(prompts):
+        if n == 1 and runs and prompts[runs[-1][0]] == prompt:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs
 
 
 def request_body(model: str, prompt: list[int], p: SamplingParams, seed: int) -> dict[str, Any]:
@@ -355,10 +374,13 @@ def request_body(model: str, prompt: list[int], p: SamplingParams, seed: int) ->
     }
 
 
-def completions_of(answer: dict[str, Any], prompt_index: int, url: str) -> list[Completion]:
-    """The completions of one ``/v1/completions`` answer, in choice order."""
+def completions_of(
+    answer: dict[str, Any], prompt_index: int, url: str, spread: bool = False
+) -> list[Completion]:
+    """The completions of one ``/v1/completions`` answer, in choice order: all of prompt
+    ``prompt_index``, or (``spread``: a run of equal prompts) choice c of prompt ``prompt_index + c``."""
     out = []
-    for choice in sorted(answer.get("choices", []), key=lambda c: c.get("index", 0)):
+    for c, choice in enumerate(sorted(answer.get("choices", []), key=lambda c: c.get("index", 0))):
         ids = choice.get("token_ids")
         logps = (choice.get("logprobs") or {}).get("token_logprobs")
         if ids is None or logps is None or len(ids) != len(logps):
@@ -369,5 +391,7 @@ def completions_of(answer: dict[str, Any], prompt_index: int, url: str) -> list[
         reason = choice.get("finish_reason")
         if reason not in ("stop", "length"):
             raise ServerError(f"{url} ended a completion with finish_reason={reason!r} (aborted?)")
-        out.append(Completion(list(ids), [float(x) for x in logps], reason, prompt_index))
+        out.append(
+            Completion(list(ids), [float(x) for x in logps], reason, prompt_index + (c if spread else 0))
+        )
     return out

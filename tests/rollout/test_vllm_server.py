@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -43,6 +44,7 @@ def server_url(tmp_path_factory, tiny_path):
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "512",
         "--logprobs-mode", "processed_logprobs", "--enable-lora", "--max-lora-rank", "16",
         "--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20),
+        "--no-enable-chunked-prefill", "--max-num-batched-tokens", "2048",  # a CPU server: whole prefills
     ]  # fmt: skip
     env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_SERVER_DEV_MODE": "1"}
     with log.open("wb") as out:
@@ -91,6 +93,13 @@ def test_server_logprobs_are_the_trainers_and_a_lora_update_reaches_the_server(
         draw = [c.token_ids for c in engine.generate(plain * 4, params)]
         assert draw == [c.token_ids for c in engine.generate(plain * 4, params)]
         assert len({tuple(d) for d in draw}) > len(plain)
+        # Equal consecutive prompts (a group) are one request for that many samples: the same draws.
+        together = engine.generate([plain[0]] * 4, params)
+        alone = [engine.generate([plain[0]], replace(params, seed=5 + i))[0] for i in range(4)]
+        assert [c.token_ids for c in together] == [c.token_ids for c in alone]
+        assert [c.prompt_index for c in together] == [0, 1, 2, 3]
+        for a, b in zip(together, alone):
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
         perturb([p for n, p in policy.named_parameters() if "lora_B" in n], 0.3)
         stale, _, _ = engine_vs_trainer(engine, policy, tiny_tokenizer, shared)
         assert stale > 1e-2  # the server's version 0 is not the updated policy

@@ -1,0 +1,380 @@
+"""``rollout=vllm_server`` piece by piece, without vLLM: the requests (runs of equal prompts, the
+answers' completions), the HTTP client's timeouts and retries against a stub server, the
+process-group guard (its command's whole tree ends with its starter, ``kill -9`` included), the
+config checks, and the asynchronous rollouts' thread against a fake engine (version plan, seeds,
+a server's error ending the wait at once, the time limit, checkpoints)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rlhf_lightning.config.errors import ConfigError
+from rlhf_lightning.rollout.async_plan import AsyncSettings, BatchSource, batch_seed
+from rlhf_lightning.rollout.async_producer import call_seed
+from rlhf_lightning.rollout.engine import Completion, SamplingParams
+from rlhf_lightning.rollout.server_async import ServerRollouts, ServerRolloutsFailed
+from rlhf_lightning.rollout.server_client import RequestPolicy, ServerClient, ServerError
+from rlhf_lightning.rollout.server_process import LaunchSpec, server_command
+from rlhf_lightning.rollout.vllm_server import completions_of, request_body, same_prompt_runs
+from rlhf_lightning.runtime.group_guard import group_members
+from tests.algorithms.test_async_units import FakeHarness
+from tests.conftest import ROOT, compose_config
+from tests.runtime.test_workers import alive
+
+
+# ---------------------------------------------------------------- requests and answers
+def test_equal_consecutive_prompts_are_one_request_each_run():
+    a, b = [1, 2], [3]
+    assert same_prompt_runs([a, a, a, b, b, a], 1) == [(0, 3), (3, 2), (5, 1)]
+    assert same_prompt_runs([a, a], 2) == [(0, 1), (1, 1)]  # n > 1: a request per prompt
+
+
+def test_a_request_sets_every_sampling_field_and_asks_for_ids_and_logprobs():
+    p = SamplingParams(7, temperature=0.5, top_p=0.9, top_k=3, stop=("x",), stop_token_ids=(2,), min_p=0.1)
+    body = request_body("m", [5, 6], p, seed=11)
+    assert body["prompt"] == [5, 6] and body["seed"] == 11 and body["max_tokens"] == 7
+    assert (body["temperature"], body["top_p"], body["top_k"], body["min_p"]) == (0.5, 0.9, 3, 0.1)
+    assert body["logprobs"] == 0 and body["return_token_ids"] and body["include_stop_str_in_output"]
+    assert body["stop"] == ["x"] and body["stop_token_ids"] == [2]
+
+
+def choice(index: int, ids: list[int], reason: str = "stop") -> dict[str, Any]:
+    return {
+        "index": index,
+        "token_ids": ids,
+        "logprobs": {"token_logprobs": [-0.5] * len(ids)},
+        "finish_reason": reason,
+    }
+
+
+def test_an_answers_choices_map_to_their_prompts():
+    answer = {"choices": [choice(1, [8]), choice(0, [7, 2], "length")]}
+    one = completions_of(answer, 4, "u")
+    assert [(c.token_ids, c.prompt_index, c.finish_reason) for c in one] == [
+        ([7, 2], 4, "length"),
+        ([8], 4, "stop"),
+    ]
+    spread = completions_of(answer, 4, "u", spread=True)  # a run of equal prompts: choice c is prompt 4 + c
+    assert [c.prompt_index for c in spread] == [4, 5]
+
+
+def test_an_answer_without_logprobs_or_aborted_is_refused():
+    with pytest.raises(ServerError, match="without a log-prob"):
+        completions_of({"choices": [{"index": 0, "token_ids": [1], "finish_reason": "stop"}]}, 0, "u")
+    with pytest.raises(ServerError, match="finish_reason='abort'"):
+        completions_of({"choices": [choice(0, [1], "abort")]}, 0, "u")
+
+
+def test_a_cpu_server_prefills_whole_prompts_and_gets_lora_slots():
+    cmd = server_command(LaunchSpec("/m", lora_rank=12, max_model_len=4096), 1234, None)
+    assert cmd[cmd.index("--max-lora-rank") + 1] == "16" and "--no-enable-chunked-prefill" in cmd
+    assert cmd[cmd.index("--max-num-batched-tokens") + 1] == "4096"
+    assert cmd[cmd.index("--logprobs-mode") + 1] == "processed_logprobs"
+    assert "--enable-lora" not in server_command(LaunchSpec("/m"), 1, None)
+
+
+# ---------------------------------------------------------------- the client against a stub server
+class Stub(BaseHTTPRequestHandler):
+    """Answers POSTs from ``server.script`` (a list of (status, body), the last repeating),
+    counting them; ``hang`` seconds before answering."""
+
+    def do_POST(self) -> None:
+        srv: Any = self.server
+        srv.count += 1
+        self.rfile.read(int(self.headers["Content-Length"]))
+        time.sleep(srv.hang)
+        status, body = srv.script[min(srv.count - 1, len(srv.script) - 1)]
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def stub():
+    server: Any = ThreadingHTTPServer(("127.0.0.1", 0), Stub)
+    server.count, server.hang, server.script = 0, 0.0, [(200, {})]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server
+    server.shutdown()
+
+
+def client_of(stub: Any, **policy: Any) -> ServerClient:
+    return ServerClient(
+        f"http://127.0.0.1:{stub.server_address[1]}", RequestPolicy(**{"backoff_s": 0.01, **policy})
+    )
+
+
+def test_server_errors_are_retried_and_a_refusal_is_not(stub):
+    stub.script = [(503, {}), (500, {}), (200, {"ok": 1})]
+    assert client_of(stub, retries=3).call("/x", {}) == {"ok": 1} and stub.count == 3
+    stub.count, stub.script = 0, [(400, {"error": {"message": "bad prompt"}})]
+    with pytest.raises(ServerError, match="refused /x: HTTP 400: bad prompt"):
+        client_of(stub, retries=3).call("/x", {})
+    assert stub.count == 1
+
+
+def test_a_server_that_does_not_answer_fails_after_its_tries_within_their_timeouts(stub):
+    stub.hang = 1.0
+    t0 = time.monotonic()
+    with pytest.raises(ServerError, match=r"did not answer /x after 2 tries .*request_timeout_s=0.2"):
+        client_of(stub, timeout_s=0.2, retries=1).call("/x", {})
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_a_gone_server_fails_at_once_naming_how_it_ended_and_its_log(stub):
+    url = f"http://127.0.0.1:{stub.server_address[1]}"
+    stub.shutdown()
+    stub.server_close()
+    client = ServerClient(
+        url, RequestPolicy(retries=5, backoff_s=10), lambda: "was killed by SIGKILL", "its log: x.log"
+    )
+    t0 = time.monotonic()
+    with pytest.raises(
+        ServerError, match=f"the vLLM server {url} was killed by SIGKILL .*its log: x.log.*resume=true"
+    ):
+        client.complete({})
+    assert time.monotonic() - t0 < 1.0  # no backoff, no retry
+    with pytest.raises(ServerError, match=f"no vLLM server answered {url}/health within 0.3 s"):
+        ServerClient(url).wait_healthy(0.3)
+
+
+# ---------------------------------------------------------------- the process-group guard
+STARTER = """
+import subprocess, sys, time
+from rlhf_lightning.runtime.group_guard import popen_guarded
+guard = popen_guarded(["sh", "-c", "sleep 300 & sleep 300"])
+print(guard.pid, flush=True)
+time.sleep(300)
+"""
+
+
+def test_kill_9_of_the_starter_ends_the_guarded_command_and_its_children():
+    starter = subprocess.Popen(
+        [sys.executable, "-c", STARTER],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    guard = int(starter.stdout.readline())  # type: ignore[union-attr]
+    end = time.monotonic() + 10
+    while len(group_members(guard)) < 3 and time.monotonic() < end:  # the guard, sh, two sleeps
+        time.sleep(0.05)
+    group = group_members(guard)
+    assert len(group) >= 3
+    starter.kill()
+    starter.wait()
+    end = time.monotonic() + 5
+    while any(alive(p) for p in group) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert not [p for p in group if alive(p)]
+
+
+def test_the_guard_reports_its_command_killed_and_ends_what_it_left(tmp_path: Path):
+    marker = tmp_path / "orphan.pid"
+    guard = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rlhf_lightning.runtime.group_guard",
+            "--",
+            "sh",
+            "-c",
+            f"sleep 300 & echo $! > {marker}; kill -9 $$",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    _, err = guard.communicate(timeout=20)
+    assert guard.returncode == 128 + signal.SIGKILL and "was killed by SIGKILL" in err
+    orphan = int(marker.read_text())
+    end = time.monotonic() + 5
+    while alive(orphan) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert not alive(orphan)  # the command's own child, left behind, ended with it
+
+
+# ---------------------------------------------------------------- config
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("rollout.servers=[localhost:8000]", "rollout.servers"),
+        ("rollout.max_concurrency=0", "rollout.max_concurrency"),
+        ("rollout.request_retries=-1", "rollout.request_retries"),
+    ],
+)
+def test_bad_server_fields_are_refused_naming_the_field(override: str, field: str):
+    from rlhf_lightning.config.early import validate_rollout
+
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        validate_rollout(compose_config(["rollout=vllm_server", override]).rollout)
+
+
+def test_server_devices_and_urls_together_are_refused():
+    from rlhf_lightning.config.early import validate_rollout
+
+    cfg = compose_config(
+        ["rollout=vllm_server", "rollout.servers=[http://h:1]", "rollout.server_devices=['0']"]
+    )
+    with pytest.raises(ConfigError, match=r"rollout\.server_devices"):
+        validate_rollout(cfg.rollout)
+
+
+# ---------------------------------------------------------------- the asynchronous rollouts' thread
+class FakeServers:
+    """The engine side of ``ServerRollouts``: versions as bytes, the version in use, each call's
+    (version, seed); ``fail`` raised by the next generate, ``hang`` makes it wait until shutdown."""
+
+    def __init__(self) -> None:
+        self.published: dict[int, dict[str, bytes]] = {}
+        self.version: int | None = None
+        self.calls: list[tuple[int | None, int | None]] = []
+        self.fail: BaseException | None = None
+        self.hang = threading.Event()
+        self.stopped = threading.Event()
+
+    def bind_rank(self, rank: int, world_size: int, local_rank: int) -> None:
+        pass
+
+    def start(self) -> None:
+        pass
+
+    def publish(self, version: int, policy: Any) -> None:
+        self.published[version] = {"w": str(version).encode()}
+
+    def publish_files(self, version: int, files: dict[str, bytes]) -> None:
+        self.published[version] = dict(files)
+
+    def files_of(self, version: int) -> dict[str, bytes] | None:
+        return self.published.get(version)
+
+    def use(self, version: int) -> None:
+        assert version in self.published
+        self.version = version
+
+    def drop_before(self, version: int) -> None:
+        for v in [v for v in self.published if v < version and v != self.version]:
+            del self.published[v]
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        if self.hang.is_set():
+            self.stopped.wait(30)
+        if self.fail is not None:
+            raise self.fail
+        self.calls.append((self.version, params.seed))
+        return [Completion([10, 11], [-0.1, -0.2], "stop", i) for i in range(len(prompts))]
+
+    def shutdown(self) -> None:
+        self.stopped.set()
+
+
+def rollouts(engine: FakeServers, k: int, timeout_s: float = 10.0, max_turns: int = 2) -> ServerRollouts:
+    settings = AsyncSettings(max_staleness=k, timeout_s=timeout_s, seed=3)
+    return ServerRollouts(engine, FakeHarness(max_turns), None, settings, max_turns)  # type: ignore[arg-type]
+
+
+SAMPLING = SamplingParams(4)
+SOURCE = BatchSource(0, dict, lambda b: [b % 3, 3 + b % 3])
+
+
+def train(r: ServerRollouts, steps: range) -> list[Any]:
+    """The trainer's loop: take batch s, then publish version s + 1."""
+    out = []
+    for s in steps:
+        result, metrics = r.rollout(s, SOURCE.rows_of(s), SAMPLING, 2, SOURCE)
+        out.append((result, metrics))
+        r.updated(s + 1, SAMPLING, 2, SOURCE)
+    return out
+
+
+def test_k1_batch_s_is_generated_with_version_s_minus_1_and_each_call_its_seed():
+    engine = FakeServers()
+    r = rollouts(engine, k=1)
+    try:
+        out = train(r, range(4))
+    finally:
+        r.close()
+    for s, (result, metrics) in enumerate(out):
+        assert {tuple(t.turn_versions) for t in result.trajectories} <= {
+            (max(0, s - 1),),
+            (max(0, s - 1),) * 2,
+        }
+        assert float(metrics["async/staleness_max"]) == (1.0 if s else 0.0)
+    seeds = [seed for _, seed in engine.calls]
+    assert seeds[:2] == [call_seed(batch_seed(3, 0, 0), 0), call_seed(batch_seed(3, 0, 0), 1)]
+    assert sorted(engine.published) == [3, 4]  # versions no batch needs any more are dropped
+    assert engine.stopped.is_set()
+
+
+def test_k0_runs_in_the_trainers_thread_with_the_trainers_generator():
+    engine = FakeServers()
+    r = rollouts(engine, k=0)
+    try:
+        train(r, range(2))
+        assert r.thread is None and [v for v, _ in engine.calls] == [0, 0, 1, 1]
+        assert {seed for _, seed in engine.calls} == {None}  # the engine draws from torch's generator
+    finally:
+        r.close()
+
+
+def test_a_servers_error_ends_the_trainers_wait_at_once_with_it():
+    engine = FakeServers()
+    r = rollouts(engine, k=1, timeout_s=60)
+    try:
+        train(r, range(1))
+        engine.fail = ServerError("the vLLM server http://h:1 was killed by SIGKILL; its log: s.log")
+        t0 = time.monotonic()
+        with pytest.raises(ServerRolloutsFailed, match=r"was killed by SIGKILL; its log: s\.log"):
+            train(r, range(1, 4))
+        assert time.monotonic() - t0 < 5
+    finally:
+        r.close()
+
+
+def test_a_batch_that_never_comes_ends_the_wait_after_async_timeout_s():
+    engine = FakeServers()
+    engine.hang.set()
+    r = rollouts(engine, k=1, timeout_s=0.5)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError, match=r"rollout\.async_timeout_s"):
+            train(r, range(1))
+        assert time.monotonic() - t0 < 5
+    finally:
+        r.close()  # the thread in its call ends with the engine
+
+
+def test_a_checkpoint_keeps_the_versions_in_flight_and_a_resume_publishes_them_again():
+    engine = FakeServers()
+    r = rollouts(engine, k=2)
+    try:
+        train(r, range(3))
+        state = r.state_dict(3)
+    finally:
+        r.close()
+    assert state["kind"] == "vllm_server" and sorted(state["versions"]) == [1, 2]
+    again = FakeServers()
+    resumed = rollouts(again, k=2)
+    resumed.load_state_dict(state)
+    try:
+        train(resumed, range(3, 5))
+        assert [v for v, _ in again.calls][:1] == [1]  # batch 3 is generated with version 1 again
+        assert again.calls[0][1] == call_seed(batch_seed(3, 0, 3), 0)
+    finally:
+        resumed.close()
