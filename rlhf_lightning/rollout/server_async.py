@@ -306,8 +306,8 @@ class ServerRollouts:
         self.replay = {int(step): [int(v) for v in vs] for step, vs in state.get("turns", {}).items()}
 
     def close(self) -> None:
-        """Stop the thread and the engine (its servers, if it started them); the versions a later
-        fit needs stay in memory."""
+        """Stop the thread, the engine (its servers, if it started them) and the harness's
+        workers; the versions a later fit needs stay in memory."""
         with self.cond:
             self.stopping = True
             self.cond.notify_all()
@@ -316,6 +316,7 @@ class ServerRollouts:
         self.engine.shutdown()  # first: a request in flight then fails at once
         if self.thread is not None:
             self.thread.join(timeout=10.0)  # (a daemon: one still in a call cannot hold the process)
+        self.harness.close()  # its env-step workers
         self.published.clear()
         self.requested.clear()
         self.pending.clear()

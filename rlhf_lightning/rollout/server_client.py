@@ -25,6 +25,10 @@ class ServerError(RuntimeError):
     """A vLLM server refused a request, did not answer within its retries, or is gone."""
 
 
+class ServerRefused(ServerError):
+    """A vLLM server answered a request with a client error (4xx): retrying cannot help."""
+
+
 @dataclass(frozen=True)
 class RequestPolicy:
     """``rollout.request_timeout_s`` (each try; a socket read never waits longer),
@@ -77,16 +81,25 @@ class ServerClient:
         except json.JSONDecodeError:
             return text  # the LoRA endpoints answer with plain text
 
-    def call(self, path: str, body: dict[str, Any] | None = None, retries: int | None = None) -> Any:
-        """GET (``body`` None) or POST ``path``; the decoded JSON (or text) answer."""
+    def call(
+        self,
+        path: str,
+        body: dict[str, Any] | None = None,
+        retries: int | None = None,
+        timeout_s: float | None = None,
+    ) -> Any:
+        """GET (``body`` None) or POST ``path``; the decoded JSON (or text) answer. ``retries`` and
+        ``timeout_s`` (each try) default to the policy's."""
         tries = (self.policy.retries if retries is None else retries) + 1
         last: BaseException | None = None
         for attempt in range(tries):
             try:
-                return self._once(path, body, self.policy.timeout_s)
+                return self._once(path, body, self.policy.timeout_s if timeout_s is None else timeout_s)
             except urllib.error.HTTPError as err:
                 if err.code < 500:
-                    raise ServerError(f"the vLLM server {self.url} refused {path}: {_message(err)}") from None
+                    raise ServerRefused(
+                        f"the vLLM server {self.url} refused {path}: {_message(err)}"
+                    ) from None
                 last = err
             except (urllib.error.URLError, OSError, http.client.HTTPException) as err:
                 last = err  # refused, reset, timed out
@@ -142,8 +155,8 @@ class ServerClient:
     def load_lora(self, name: str, path: str) -> None:
         try:
             self.call("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
-        except ServerError as err:
-            raise ServerError(
+        except ServerRefused as err:
+            raise ServerRefused(
                 f"{err}\nA run that trains a LoRA adapter loads each version at run time: start the "
                 "server with --enable-lora --max-lora-rank <r or more> and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
             ) from None
@@ -156,8 +169,8 @@ class ServerClient:
         try:
             self.call("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}})
             self.call("/reset_prefix_cache", {})
-        except ServerError as err:
-            raise ServerError(
+        except ServerRefused as err:
+            raise ServerRefused(
                 f"{err}\nFull fine-tuning reloads the server's weights through its development "
                 "endpoints: start the server with VLLM_SERVER_DEV_MODE=1"
             ) from None

@@ -25,7 +25,6 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from rlhf_lightning.runtime.children import kill_and_reap
 from rlhf_lightning.runtime.group_guard import describe, kill_group, popen_guarded
@@ -231,8 +230,3 @@ def wait_ready(server: ServerProcess, deadline: float) -> None:
                 f"(rollout.server_start_timeout_s); {server.where()}:\n{server.log_tail()}"
             )
         time.sleep(0.5)
-
-
-def stop_all(servers: list[Any]) -> None:
-    for server in servers:
-        server.stop()

@@ -174,7 +174,7 @@ class VLLMServerEngine:
             for name in list(self.loaded):
                 for client in self.clients:
                     with contextlib.suppress(ServerError):
-                        client.call("/v1/unload_lora_adapter", {"lora_name": name}, retries=0)
+                        client.call("/v1/unload_lora_adapter", {"lora_name": name}, retries=0, timeout_s=10.0)
         if self._files is not None:
             self._files.clear()
         if self._temp is not None:

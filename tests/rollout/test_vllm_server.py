@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import sys
+import time
+import urllib.request
 from dataclasses import replace
 
 import pytest
@@ -18,6 +20,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed: run `make inst
 
 from rlhf_lightning.models.build import build_policy, load_model  # noqa: E402
 from rlhf_lightning.rollout.engine import SamplingParams  # noqa: E402
+from rlhf_lightning.rollout.hf import HFEngine  # noqa: E402
 from rlhf_lightning.rollout.server_client import ServerClient  # noqa: E402
 from rlhf_lightning.rollout.server_process import free_port  # noqa: E402
 from rlhf_lightning.rollout.server_weights import VersionFiles  # noqa: E402
@@ -65,6 +68,20 @@ def url_engine(url: str, lora: bool = True) -> VLLMServerEngine:
     return VLLMServerEngine(ServerSettings(urls=(url,), lora=lora))
 
 
+def cache_hits(url: str, at_least: float = 0.0) -> float:
+    """Prompt tokens the server has served from its prefix cache (its Prometheus counter), once
+    it reaches ``at_least`` (the counter follows the answers by a moment) or after 5 s."""
+    end = time.monotonic() + 5
+    while True:
+        text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+        hits = sum(
+            float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits")
+        )
+        if hits >= at_least or time.monotonic() > end:
+            return hits
+        time.sleep(0.1)
+
+
 def served(url: str) -> list[str]:
     """Every model the server serves now (the base and the LoRA adapters loaded)."""
     return [m["id"] for m in ServerClient(url).call("/v1/models")["data"]]
@@ -88,6 +105,9 @@ def test_server_logprobs_are_the_trainers_and_a_lora_update_reaches_the_server(
         for ps in (None, shared):
             gap, _, _ = engine_vs_trainer(engine, policy, tiny_tokenizer, ps)
             assert gap < 1e-4
+        before = cache_hits(server_url)  # the shared prompts again: their prefix is served from the cache
+        engine.generate(shared, SamplingParams(max_new_tokens=1, temperature=0.0))
+        assert cache_hits(server_url, before + 256 * len(shared)) - before >= 256 * len(shared)
         # Seeded requests: the same call draws the same again, copies of one prompt their own.
         params, plain = SamplingParams(max_new_tokens=8, temperature=1.0, seed=5), prompts(tiny_tokenizer)
         draw = [c.token_ids for c in engine.generate(plain * 4, params)]
@@ -221,6 +241,7 @@ def test_async_partial_rollouts_on_the_server_carry_each_turns_version(server_ur
         engine.publish = spy
 
     module, _ = fit_steps(cfg, tmp_path, steps=3, module_hook=hook)
+    assert isinstance(module.engine, HFEngine)  # the trainer evaluates with HF generate
     assert [s for s, _ in seen] == [0, 1, 2]
     assert_turns_carry_their_versions(module, seen, versions)
     assert not (tmp_path / "server_weights").exists()  # the fit's end removed the versions

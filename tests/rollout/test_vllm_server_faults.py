@@ -43,13 +43,15 @@ def guards_of(pid: int) -> list[int]:
 
 def test_a_run_that_starts_its_server_trains_and_stops_it(tmp_path):
     """The run (8 steps, evaluations on the server too) starts one server on a free port of
-    127.0.0.1 with its log in <run>/servers/server-0.log, and stops it at its end: no server
-    process is left (the same run is the uninterrupted reference of the resume test)."""
+    127.0.0.1 with its log in <run>/servers/server-0.log, keeps it for the evaluation after the
+    fit, and stops it at its end: no server process is left (the same run is the uninterrupted
+    reference of the resume test)."""
     run = reference(tmp_path, FAULTS)
     steps = [k for k in rows(run) if not k.endswith("eval")]
     assert steps == [str(s) for s in range(1, 9)]
     log = (run / "servers" / "server-0.log").read_text()
-    assert re.search(r"--host 127\.0\.0\.1 --port \d+", log) and "Application startup complete" in log
+    assert re.search(r"--host 127\.0\.0\.1 --port \d+", log)
+    assert log.count("Application startup complete") == 1  # the evaluation after the fit reused it
     assert "vllm.entrypoints.openai.api_server ... exited with code 0" in log  # stopped cleanly
     assert not guards_of(os.getpid())
 

@@ -25,8 +25,20 @@ from rlhf_lightning.rollout.async_producer import call_seed
 from rlhf_lightning.rollout.engine import Completion, SamplingParams
 from rlhf_lightning.rollout.server_async import ServerRollouts, ServerRolloutsFailed
 from rlhf_lightning.rollout.server_client import RequestPolicy, ServerClient, ServerError
-from rlhf_lightning.rollout.server_process import LaunchSpec, server_command
-from rlhf_lightning.rollout.vllm_server import completions_of, request_body, same_prompt_runs
+from rlhf_lightning.rollout.server_process import (
+    LaunchSpec,
+    ServerStartError,
+    server_command,
+    server_env,
+    wait_ready,
+)
+from rlhf_lightning.rollout.vllm_server import (
+    ServerSettings,
+    VLLMServerEngine,
+    completions_of,
+    request_body,
+    same_prompt_runs,
+)
 from rlhf_lightning.runtime.group_guard import group_members
 from tests.algorithms.test_async_units import FakeHarness
 from tests.conftest import ROOT, compose_config
@@ -84,17 +96,54 @@ def test_a_cpu_server_prefills_whole_prompts_and_gets_lora_slots():
     assert "--enable-lora" not in server_command(LaunchSpec("/m"), 1, None)
 
 
+def test_a_server_per_device_set_with_tensor_parallel_over_its_devices():
+    cmd = server_command(LaunchSpec("/m", gpu_memory_utilization=0.8), 1, "2,3")
+    assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
+    assert (
+        cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.8" and "--no-enable-chunked-prefill" not in cmd
+    )
+    env = server_env("2,3")
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    assert env["VLLM_SERVER_DEV_MODE"] == "1"
+
+
+def test_what_the_engine_refuses_is_named():
+    started = VLLMServerEngine(ServerSettings(launch=LaunchSpec("/m")))
+    with pytest.raises(ValueError, match=r"rollout\.servers=null starts servers for one trainer process"):
+        started.bind_rank(0, 2, 0)
+    full = VLLMServerEngine(ServerSettings(urls=("http://h:1",), lora=False))
+    with pytest.raises(ValueError, match=r"model\.finetune=full with rollout=vllm_server and 2 ranks"):
+        full.bind_rank(1, 2, 1)
+    with pytest.raises(ValueError, match=r"population\.batched=false"):
+        full.generate([[1]], SamplingParams(), adapters=["a"])
+
+
 # ---------------------------------------------------------------- the client against a stub server
 class Stub(BaseHTTPRequestHandler):
-    """Answers POSTs from ``server.script`` (a list of (status, body), the last repeating),
-    counting them; ``hang`` seconds before answering."""
+    """Answers POSTs from ``server.script`` (a list of (status, body), the last repeating; a body
+    ``"choices"`` answers a completion request with one choice per sample), counting them and the
+    most in flight at once, ``hang`` seconds before answering; GET /v1/models lists ``models``."""
+
+    def do_GET(self) -> None:
+        self.answer(200, {"data": [{"id": m, "parent": None} for m in self.server.models]})  # type: ignore[attr-defined]
 
     def do_POST(self) -> None:
         srv: Any = self.server
-        srv.count += 1
-        self.rfile.read(int(self.headers["Content-Length"]))
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+        with srv.lock:
+            srv.count += 1
+            srv.in_flight += 1
+            srv.most = max(srv.most, srv.in_flight)
+            srv.prompts.append(body.get("prompt"))
+            status, answer = srv.script[min(srv.count - 1, len(srv.script) - 1)]
         time.sleep(srv.hang)
-        status, body = srv.script[min(srv.count - 1, len(srv.script) - 1)]
+        if answer == "choices":
+            answer = {"choices": [choice(j, [7, body["prompt"][0]]) for j in range(body["n"])]}
+        with srv.lock:
+            srv.in_flight -= 1
+        self.answer(status, answer)
+
+    def answer(self, status: int, body: Any) -> None:
         data = json.dumps(body).encode()
         self.send_response(status)
         self.send_header("Content-Length", str(len(data)))
@@ -105,11 +154,18 @@ class Stub(BaseHTTPRequestHandler):
         pass
 
 
+def start_stub() -> Any:
+    server: Any = ThreadingHTTPServer(("127.0.0.1", 0), Stub)
+    server.count = server.in_flight = server.most = 0
+    server.hang, server.script, server.models, server.prompts = 0.0, [(200, {})], ["m"], []
+    server.lock = threading.Lock()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
 @pytest.fixture
 def stub():
-    server: Any = ThreadingHTTPServer(("127.0.0.1", 0), Stub)
-    server.count, server.hang, server.script = 0, 0.0, [(200, {})]
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = start_stub()
     yield server
     server.shutdown()
 
@@ -152,6 +208,89 @@ def test_a_gone_server_fails_at_once_naming_how_it_ended_and_its_log(stub):
     assert time.monotonic() - t0 < 1.0  # no backoff, no retry
     with pytest.raises(ServerError, match=f"no vLLM server answered {url}/health within 0.3 s"):
         ServerClient(url).wait_healthy(0.3)
+
+
+def test_a_server_that_cannot_load_adapters_or_reload_weights_is_told_the_flag(stub):
+    stub.script = [(404, {"detail": "Not Found"})]
+    with pytest.raises(ServerError, match=r"--enable-lora .*VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"):
+        client_of(stub).load_lora("a", "/p")
+    with pytest.raises(ServerError, match="VLLM_SERVER_DEV_MODE=1"):
+        client_of(stub).reload_weights("/p")
+    stub.shutdown()
+    stub.server_close()
+    gone = ServerClient(client_of(stub).url, RequestPolicy(retries=0), lambda: "was killed by SIGKILL")
+    with pytest.raises(ServerError, match="killed by SIGKILL") as err:  # a dead server: no flag to blame
+        gone.load_lora("a", "/p")
+    assert "--enable-lora" not in str(err.value)
+
+
+def url_engine(*stubs: Any, concurrency: int = 32, name: str | None = None) -> VLLMServerEngine:
+    urls = tuple(f"http://127.0.0.1:{s.server_address[1]}" for s in stubs)
+    return VLLMServerEngine(
+        ServerSettings(urls=urls, lora=False, max_concurrency=concurrency, served_model_name=name)
+    )
+
+
+def test_requests_in_flight_are_bounded_and_split_in_contiguous_shares():
+    a, b = start_stub(), start_stub()
+    for s in (a, b):
+        s.script, s.hang = [(200, "choices")], 0.2
+    engine = url_engine(a, b, concurrency=2)
+    try:
+        out = engine.generate([[p] for p in range(12)], SamplingParams(4, seed=1))
+    finally:
+        engine.shutdown()
+        a.shutdown()
+        b.shutdown()
+    assert [c.token_ids[1] for c in out] == list(range(12)) and [c.prompt_index for c in out] == list(
+        range(12)
+    )
+    assert sorted(a.prompts) == [[p] for p in range(6)]
+    assert sorted(b.prompts) == [[p] for p in range(6, 12)]
+    assert a.most == b.most == 2  # rollout.max_concurrency per server
+
+
+def test_the_base_model_is_the_one_the_servers_serve_or_the_named_one(stub):
+    stub.models = ["base", "other"]
+    engine = url_engine(stub)
+    with pytest.raises(ServerError, match=r"name the run's model with rollout\.served_model_name"):
+        engine.start()
+    named = url_engine(stub, name="other")
+    named.start()
+    assert named.base == "other" and named.current == "other"  # full fine-tuning samples the base
+    named.shutdown()
+
+
+def test_a_server_that_exits_while_starting_is_named_with_its_log(tmp_path: Path):
+    class Starting:
+        url, spec = "http://127.0.0.1:9", LaunchSpec("/m", start_timeout_s=60)
+
+        def healthy(self) -> bool:
+            return False
+
+        def death(self) -> str | None:
+            return "exited with code 1"
+
+        def where(self) -> str:
+            return "its log: s.log"
+
+        def log_tail(self) -> str:
+            return "    ValueError: no such model /m"
+
+    with pytest.raises(
+        ServerStartError, match=r"http://127\.0\.0\.1:9 exited with code 1 while starting; its log"
+    ):
+        wait_ready(Starting(), time.monotonic() + 60)  # type: ignore[arg-type]
+    try:
+        wait_ready(Starting(), time.monotonic() + 60)  # type: ignore[arg-type]
+    except ServerStartError as err:
+        assert "ValueError: no such model /m" in str(err)
+
+
+@pytest.mark.slow  # a fresh interpreter's torch and transformers imports
+def test_a_trainer_given_urls_imports_no_vllm():
+    code = "import sys, rlhf_lightning.rollout.server_async; assert 'vllm' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
 # ---------------------------------------------------------------- the process-group guard
@@ -284,9 +423,16 @@ class FakeServers:
         self.stopped.set()
 
 
+class Harness(FakeHarness):
+    closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
 def rollouts(engine: FakeServers, k: int, timeout_s: float = 10.0, max_turns: int = 2) -> ServerRollouts:
     settings = AsyncSettings(max_staleness=k, timeout_s=timeout_s, seed=3)
-    return ServerRollouts(engine, FakeHarness(max_turns), None, settings, max_turns)  # type: ignore[arg-type]
+    return ServerRollouts(engine, Harness(max_turns), None, settings, max_turns)  # type: ignore[arg-type]
 
 
 SAMPLING = SamplingParams(4)
@@ -318,8 +464,9 @@ def test_k1_batch_s_is_generated_with_version_s_minus_1_and_each_call_its_seed()
         assert float(metrics["async/staleness_max"]) == (1.0 if s else 0.0)
     seeds = [seed for _, seed in engine.calls]
     assert seeds[:2] == [call_seed(batch_seed(3, 0, 0), 0), call_seed(batch_seed(3, 0, 0), 1)]
-    assert sorted(engine.published) == [3, 4]  # versions no batch needs any more are dropped
-    assert engine.stopped.is_set()
+    # versions no batch needs any more are dropped (the one the thread last used may stay)
+    assert {3, 4} <= set(engine.published) <= {2, 3, 4}
+    assert engine.stopped.is_set() and r.harness.closed  # type: ignore[attr-defined]
 
 
 def test_k0_runs_in_the_trainers_thread_with_the_trainers_generator():
