@@ -147,10 +147,12 @@ LONGEST_FIRST = (
     "tests/test_resume.py",
     "tests/rollout/test_vllm_async.py",
     "tests/algorithms/test_distributed.py",
+    "tests/rollout/test_vllm_server_faults.py",
     "tests/test_results_and_sweeps.py",
     "tests/test_train.py",
     "tests/rollout/test_vllm.py",
     "tests/test_export.py",
+    "tests/rollout/test_vllm_server.py",
     "tests/algorithms/test_offline.py",
 )
 
