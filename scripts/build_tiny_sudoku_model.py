@@ -33,7 +33,6 @@ from the board alone (the Markov view) and a turn costs O(board) tokens.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import random
 import shutil
@@ -42,17 +41,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 from build_tiny_chat_model import compose_config
+from build_tiny_gem_model import EvalAndStop
 from make_chat_sft_data import write_jsonl
 from make_gem_sft_data import SUDOKU_ID, gem_dialogues, summary
 
-from rlhf_lightning.algorithms.evaluation import episode_success
 from rlhf_lightning.config import ASSETS
 from rlhf_lightning.envs.gem import GemEnv
 from rlhf_lightning.models.tiny import build_tiny_model, build_tokenizer
 from rlhf_lightning.rollout.chat import ChatFormatter, latest_view
-from rlhf_lightning.rollout.engine import RolloutEngine, SamplingParams
 from rlhf_lightning.rollout.harness import RolloutHarness
 from rlhf_lightning.run import run
 
@@ -92,50 +89,6 @@ def sudoku_harness(tokenizer: Any, eval_rows: int) -> RolloutHarness:
         max_model_len=MAX_MODEL_LEN,
         history="last",
     )
-
-
-def valid_move_rate(trajs: list[Any]) -> float:
-    """Turns whose move GEM accepted (``info["valid_move"]``) over all turns played."""
-    turns = sum(len(t.infos) for t in trajs)
-    return sum(bool(i.get("valid_move")) for t in trajs for i in t.infos) / max(turns, 1)
-
-
-def play_eval(harness: RolloutHarness, engine: RolloutEngine, sampling: SamplingParams, rows: int) -> dict:
-    """Solve rate, valid-move rate and turns per episode on held-out rows ``0..rows-1``, greedy and sampled."""
-    out = {}
-    for mode, params in (("greedy", dataclasses.replace(sampling, temperature=0.0)), ("sampled", sampling)):
-        trajs = harness.rollout(engine, list(range(rows)), params, evaluation=True).trajectories
-        out[f"solved_{mode}"] = round(sum(episode_success(t) for t in trajs) / len(trajs), 4)
-        out[f"valid_move_{mode}"] = round(valid_move_rate(trajs), 4)
-        out[f"turns_{mode}"] = round(sum(t.num_turns for t in trajs) / len(trajs), 3)
-    return out
-
-
-class EvalAndStop(L.Callback):
-    """At each validation play the held-out boards and record them; stop once the sampled solve
-    rate reaches ``target`` (after ``min_steps``), or after ``max_seconds``."""
-
-    def __init__(self, harness: RolloutHarness, rows: int, target: float, min_steps: int, max_seconds: float):
-        self.harness, self.rows, self.target, self.min_steps = harness, rows, target, min_steps
-        self.max_seconds = max_seconds
-        self.history: list[dict[str, Any]] = []
-        self.t0 = time.time()
-
-    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: Any) -> None:
-        entry: dict[str, Any] = {"step": trainer.global_step, "seconds": round(time.time() - self.t0)}
-        entry |= play_eval(self.harness, pl_module.engine, pl_module.sampling, self.rows)
-        loss = trainer.callback_metrics.get("eval/loss")
-        if loss is not None:
-            entry["eval_loss"] = round(float(loss), 4)
-        self.history.append(entry)
-        print(json.dumps(entry), flush=True)
-        reached = entry["solved_sampled"] >= self.target and trainer.global_step >= self.min_steps
-        if trainer.state.fn == "fit" and reached:
-            trainer.should_stop = True
-
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        if time.time() - self.t0 > self.max_seconds:
-            trainer.should_stop = True
 
 
 def save_untrained(tokenizer: Any, directory: Path, layers: int, hidden: int) -> int:

@@ -16,12 +16,19 @@ def read_rows(path: str | Path, field: str = "data path") -> list[dict[str, Any]
         raise FileNotFoundError(
             f"no such file {str(p)!r} ({field}); give a local .jsonl, .json or .parquet file"
         )
+    rows = _read_any(p, field)
+    if not rows:
+        raise ConfigError(field, str(p), "the file holds no rows; give at least one")
+    return rows
+
+
+def _read_any(p: Path, field: str) -> list[dict[str, Any]]:
     if p.suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
         except ImportError as err:
             raise ImportError("reading .parquet needs pyarrow: pip install pyarrow") from err
-        return pq.read_table(p).to_pylist()
+        return cast(list[dict[str, Any]], pq.read_table(p).to_pylist())
     text = _read_text(p, field)
     if p.suffix == ".json" and text.lstrip().startswith("["):
         rows = _parse_json(text, p, field, None)

@@ -112,6 +112,16 @@ def test_malformed_jsonl_line_names_file_and_line(tmp_path):
     assert [row["answer"] for row in read_rows(path)] == ["2", "4"]
 
 
+@pytest.mark.parametrize("name, text", [("empty.jsonl", ""), ("blank.jsonl", "\n\n"), ("empty.json", "[]")])
+def test_a_file_without_rows_is_refused_with_its_field(tmp_path, name, text):
+    from rlhf_lightning.config.errors import ConfigError
+
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=r"algo\.data_path.*holds no rows"):
+        read_rows(path, "algo.data_path")
+
+
 def test_tool_calc_long_deep_and_huge_inputs_are_answered_not_crashed():
     assert safe_eval(" + ".join(["7"] * 1000)) == 7000  # no recursion: any length evaluates
     assert safe_eval("(" * 3000 + "2" + ")" * 3000 + " * -3") == -6
