@@ -59,9 +59,14 @@ def budget(args: argparse.Namespace) -> tuple[int, int]:
     return updates, updates // args.members
 
 
+def reached(accuracy: float, target: float) -> bool:
+    """``accuracy >= target``, counting a logged float32 (90/200 is 0.449999988) as its fraction."""
+    return accuracy >= target - 1e-6
+
+
 def population_steps_to_target(curve: list[tuple[int, float]], target: float) -> int | None:
     """The member updates (all members) at the first scoring whose best fitness reaches ``target``."""
-    return next((updates for updates, best in curve if best >= target), None)
+    return next((updates for updates, best in curve if reached(best, target)), None)
 
 
 def search_steps_to_target(trials: list[dict[str, Any]], target: float) -> int | None:
@@ -69,7 +74,7 @@ def search_steps_to_target(trials: list[dict[str, Any]], target: float) -> int |
     the first evaluation that reaches ``target``."""
     spent = 0
     for t in trials:
-        hit = next((s for s, a in t["curve"] if a >= target), None)
+        hit = next((s for s, a in t["curve"] if reached(a, target)), None)
         if hit is not None:
             return spent + hit
         spent += t["ran"]
@@ -155,7 +160,7 @@ def population_arm(args: argparse.Namespace, seed: int, out: Path) -> dict[str, 
     class StopAtTarget(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
             best = trainer.callback_metrics.get("population/fitness_best")
-            if best is not None and float(best) >= args.target:
+            if best is not None and reached(float(best), args.target):
                 trainer.should_stop = True
 
     cfg = compose(
@@ -182,10 +187,10 @@ def population_arm(args: argparse.Namespace, seed: int, out: Path) -> dict[str, 
         for r in rows(out / "metrics.csv")
         if r.get("population/fitness_best")
     ]
-    reached = population_steps_to_target([(u, f) for u, f, _ in curve], args.target)
-    return {"arm": "population", "seed": seed, "steps_to_target": reached, "steps_run": curve[-1][0] if curve else 0,
+    to_target = population_steps_to_target([(u, f) for u, f, _ in curve], args.target)
+    return {"arm": "population", "seed": seed, "steps_to_target": to_target, "steps_run": curve[-1][0] if curve else 0,
             "budget": updates, "population_steps": steps, "wall_s": time.time() - t0,
-            "wall_to_target_s": clk.at.get(reached) if reached is not None else None, "curve": curve,
+            "wall_to_target_s": clk.at.get(to_target) if to_target is not None else None, "curve": curve,
             "times": [clk.at.get(u) for u, _, _ in curve], "lineage": rows(out / "lineage.csv")}  # fmt: skip
 
 
@@ -209,8 +214,8 @@ def optuna_arm(args: argparse.Namespace, seed: int, out: Path) -> dict[str, Any]
             if value is None or trainer.global_step == 0:
                 return
             self.trial.report(float(value), trainer.global_step)
-            if float(value) >= args.target or self.trial.should_prune():
-                self.pruned = float(value) < args.target
+            if reached(float(value), args.target) or self.trial.should_prune():
+                self.pruned = not reached(float(value), args.target)
                 trainer.should_stop = True
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -241,7 +246,7 @@ def optuna_arm(args: argparse.Namespace, seed: int, out: Path) -> dict[str, Any]
         curve = [(int(r["step"]), float(r[key])) for r in rows(trial_dir / "metrics.csv") if r.get(key)]
         curve = [(s, a) for s, a in curve if s > 0]
         ran = int(result.trainer.global_step)
-        hit = next((s for s, a in curve if a >= args.target), None)
+        hit = next((s for s, a in curve if reached(a, args.target)), None)
         trials.append({"lr": lr, "temperature": temperature, "curve": curve, "hit": hit, "ran": ran,
                        "pruned": report_cb.pruned, "times": [clk.at.get(s) for s, _ in curve]})  # fmt: skip
         if hit is not None:
@@ -252,8 +257,8 @@ def optuna_arm(args: argparse.Namespace, seed: int, out: Path) -> dict[str, Any]
             study.tell(trial, state=optuna.trial.TrialState.PRUNED)
         else:
             study.tell(trial, curve[-1][1] if curve else 0.0)
-    reached = search_steps_to_target(trials, args.target)
-    return {"arm": "optuna", "seed": seed, "steps_to_target": reached, "budget": updates,
+    to_target = search_steps_to_target(trials, args.target)
+    return {"arm": "optuna", "seed": seed, "steps_to_target": to_target, "budget": updates,
             "steps_run": sum(t["ran"] for t in trials), "wall_s": time.time() - t0,
             "wall_to_target_s": wall_to_target, "trials": trials}  # fmt: skip
 

@@ -6,6 +6,7 @@ import importlib.util
 import sys
 
 import pytest
+import torch
 
 from tests.conftest import ROOT
 
@@ -115,6 +116,9 @@ def test_population_benchmark_counts_equal_compute():
     # the population: its scorings at 200, 400, ... member updates (every 50 population steps of 4)
     assert pop.population_steps_to_target([(200, 0.3), (400, 0.46), (600, 0.5)], 0.45) == 400
     assert pop.population_steps_to_target([(200, 0.3)], 0.45) is None
+    # 90 of 200 right, logged as float32, reaches 0.45
+    assert pop.population_steps_to_target([(200, float(torch.tensor(90 / 200)))], 0.45) == 200
+    assert pop.population_steps_to_target([(200, 0.4499)], 0.45) is None
     trials = [
         {"curve": [(50, 0.1), (100, 0.1)], "ran": 100},  # pruned at 100
         {"curve": [(50, 0.2), (100, 0.3), (150, 0.3), (200, 0.3)], "ran": 200},
