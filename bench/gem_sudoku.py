@@ -107,7 +107,12 @@ def main() -> None:
         "--threads", type=int, default=1, help="torch threads of each run (runs go one at a time)"
     )
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench_gem")
-    ap.add_argument("--plot", type=Path, default=None, help="write eval solve-rate curves to this PNG")
+    ap.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="write eval solve-rate curves here, valid-move ones beside (_valid_moves)",
+    )
     ap.add_argument(
         "--reuse",
         action="store_true",
@@ -125,6 +130,7 @@ def main() -> None:
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     curves: dict[str, list[dict[str, float]]] = {}
+    valid: dict[str, list[dict[str, float]]] = {}  # eval valid-move rates, as curves
     rows = []
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "TOKENIZERS_PARALLELISM": "false"}
     for algo in a.algos:
@@ -160,6 +166,12 @@ def main() -> None:
             metrics = read_metrics(out)
             ev = evals(metrics)
             curves[f"{algo} seed {seed}"] = ev
+            valid[f"{algo} seed {seed}"] = [
+                {"step": s, "sampled": v, "greedy": g}
+                for (s, v), (_, g) in zip(
+                    metrics.get("eval/valid_move_sampled", []), metrics.get("eval/valid_move_greedy", [])
+                )
+            ]
             first, last = ev[0], ev[-1]
             vs, vg = pair(metrics, "eval/valid_move_sampled"), pair(metrics, "eval/valid_move_greedy")
             turns = (
@@ -197,7 +209,10 @@ def main() -> None:
     (a.out / f"{a.experiment}_results.json").write_text(json.dumps(rows, indent=1))
     if a.plot is not None:
         plot(curves, a.plot, f"{a.experiment}: held-out solve rate (sampled solid, greedy dashed)")
-        print(f"\nplot: {a.plot}")
+        moves = a.plot.with_name(f"{a.plot.stem}_valid_moves{a.plot.suffix}")
+        title = f"{a.experiment}: held-out valid-move rate (sampled solid, greedy dashed)"
+        plot(valid, moves, title, ylabel="held-out valid-move rate")
+        print(f"\nplots: {a.plot}, {moves}")
 
 
 if __name__ == "__main__":

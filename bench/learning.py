@@ -53,7 +53,9 @@ def first_last(metrics: Metrics, key: str) -> str:
     return f"{window_mean(metrics, key, first=True):.3f} / {window_mean(metrics, key):.3f}"
 
 
-def plot(curves: dict[str, list[dict[str, float]]], path: Path, title: str) -> None:
+def plot(
+    curves: dict[str, list[dict[str, float]]], path: Path, title: str, ylabel: str = "held-out success"
+) -> None:
     """Eval accuracy (sampled: solid, greedy: dashed) against training steps, one colour per run."""
     import matplotlib
 
@@ -65,7 +67,7 @@ def plot(curves: dict[str, list[dict[str, float]]], path: Path, title: str) -> N
         steps = [e["step"] for e in ev]
         ax.plot(steps, [e["sampled"] for e in ev], color=f"C{i}", marker="o", ms=3, label=f"{name} sampled")
         ax.plot(steps, [e["greedy"] for e in ev], color=f"C{i}", ls="--", alpha=0.7, label=f"{name} greedy")
-    ax.set(xlabel="training step", ylabel="held-out success", title=title, ylim=(0, 1))
+    ax.set(xlabel="training step", ylabel=ylabel, title=title, ylim=(0, 1))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
