@@ -136,8 +136,11 @@ class RolloutHarness:
         envs, trajs, dropped = self._start_episodes(groups, rendered, token_ids, params, adapters)
         self._check_dropped(dropped, len(rows), bool(trajs), params.max_new_tokens)
         # history=full: a turn's prompt continues the last one, so an engine may keep its KV cache
-        turns = getattr(engine, "turns", None) if self.history == "full" and self.max_turns > 1 else None
-        with turns() if turns is not None else nullcontext():
+        # (an engine offers it as ``turn_session()``, :meth:`~rlhf_lightning.rollout.hf.HFEngine.turn_session`)
+        session = (
+            getattr(engine, "turn_session", None) if self.history == "full" and self.max_turns > 1 else None
+        )
+        with session() if callable(session) else nullcontext():
             errors, timeouts = self._run_turns(engine, envs, trajs, params, progress, adapters is not None)
         metrics = self._metrics(trajs)
         if self.reward is not None and not evaluation:  # evaluation keeps the env's own rewards

@@ -47,7 +47,7 @@ class HFEngine(EngineBase):
             fraction of the prefill cost.
         tokenizer: decodes completions to match ``SamplingParams.stop`` strings; required only
             when stop strings are used.
-        reuse_turn_cache: inside :meth:`turns`, a call that continues the previous call's rows
+        reuse_turn_cache: inside :meth:`turn_session`, a call that continues the previous call's rows
             (the next turn of the same episodes) runs only their new tokens on the previous
             call's KV cache (:mod:`~rlhf_lightning.rollout.kv_reuse`).
     """
@@ -69,10 +69,10 @@ class HFEngine(EngineBase):
         self.share_prefill = share_prefill
         self.tokenizer = tokenizer
         self.reuse_turn_cache = reuse_turn_cache
-        self.turn_cache: TurnCache | None = None  # set inside turns()
+        self.turn_cache: TurnCache | None = None  # set inside turn_session()
 
     @contextmanager
-    def turns(self) -> Iterator[TurnCache | None]:
+    def turn_session(self) -> Iterator[TurnCache | None]:
         """The calls inside are the turns of one batch of episodes (the harness opens it with
         ``env.history=full``): each reuses the KV cache of the call before where its rows continue
         that call's rows. The cache is dropped on exit. Yields the :class:`TurnCache` (None when

@@ -13,11 +13,16 @@ from rlhf_lightning.rollout.harness import RolloutHarness
 from rlhf_lightning.rollout.stepping import EnvStepper
 from tests.envs.slow_things import Boom, Dies, Hangs, SlowGuess
 from tests.envs.test_harness import ScriptedEngine
-from tests.runtime.test_workers import children_of_this_process
+from tests.runtime.test_workers import assert_no_children, new_children, note_children
 
 
 def harness(tok, factory, **kw) -> RolloutHarness:
     return RolloutHarness(factory, tok, ChatFormatter(tok), max_turns=3, max_model_len=400, **kw)
+
+
+@pytest.fixture(autouse=True)
+def _children_before():
+    note_children()
 
 
 @pytest.mark.parametrize("workers", ["process", "thread"])
@@ -40,7 +45,7 @@ def test_concurrent_steps_give_the_serial_trajectories(tiny_tokenizer, workers):
         assert a.token_ids == b.token_ids and a.rewards == b.rewards and a.infos == b.infos
     assert serial.batch.input_ids.equal(together.batch.input_ids)
     assert serial.batch.rewards.equal(together.batch.rewards)
-    assert children_of_this_process() == []
+    assert_no_children()
 
 
 def test_a_step_past_its_time_limit_is_stopped_and_scored_zero_or_raised(tiny_tokenizer):
@@ -56,9 +61,9 @@ def test_a_step_past_its_time_limit_is_stopped_and_scored_zero_or_raised(tiny_to
     assert result.metrics["env/step_timeouts"] == 2 and result.metrics["env/reward_errors"] == 2
     pool = zero.stepper._pool
     assert pool is not None and pool.timeouts == 2
-    assert pool.started - len(children_of_this_process()) == 2  # the two stopped steps' workers are gone
+    assert pool.started - len(new_children()) == 2  # the two stopped steps' workers are gone
     zero.close()
-    assert children_of_this_process() == []  # nothing of the stopped steps runs on
+    assert_no_children()  # nothing of the stopped steps runs on
     raising = harness(tok, Hangs, step_timeout_s=0.3)
     with pytest.raises(
         RuntimeError, match=r"Hangs.step timed out: it did not return within 0.3 s \(env.step_timeout_s\)"

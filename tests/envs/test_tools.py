@@ -161,7 +161,7 @@ def test_a_tool_that_loops_for_ever_is_stopped_every_time_and_leaves_nothing_beh
     the pools close, and the trajectories equal a run whose tool call times out at once."""
     from rlhf_lightning.envs import tools as tools_module
     from rlhf_lightning.runtime.workers import CallTimeout, Outcome, close_shared_pools, shared_pool
-    from tests.runtime.test_workers import children_of_this_process, python_rate, rate_after
+    from tests.runtime.test_workers import assert_no_children, note_children, python_rate, rate_after
 
     first = "".join(call("spin", n=i) for i in range(4))
     replies = [tok(r, add_special_tokens=False).input_ids + [tok.eos_token_id] for r in (first, "7")]
@@ -176,6 +176,8 @@ def test_a_tool_that_loops_for_ever_is_stopped_every_time_and_leaves_nothing_beh
         finally:
             harness.close()
 
+    close_shared_pools()  # an earlier test's tool workers
+    note_children()
     threads = set(threading.enumerate())
     before = max(python_rate() for _ in range(3))
     stopped = rollout()
@@ -184,7 +186,7 @@ def test_a_tool_that_loops_for_ever_is_stopped_every_time_and_leaves_nothing_beh
     assert sum(info.get("tool_timeouts", 0) for t in stopped.trajectories for info in t.infos) == 20
     assert after / before > 0.7, (before, after)  # 20 abandoned threads made it ~7x slower
     close_shared_pools()
-    assert children_of_this_process() == []
+    assert_no_children()
     # the one thread that starts children for the process (runtime.children.popen) may stay
     assert {t.name for t in set(threading.enumerate()) - threads} <= {"child-starter"}
 

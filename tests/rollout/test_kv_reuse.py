@@ -30,7 +30,7 @@ def play(model, tok, reuse: bool, temperature: float, seed: int = 0):
         lambda: model, tok.pad_token_id, [tok.eos_token_id], tokenizer=tok, reuse_turn_cache=reuse
     )
     seen = []
-    original = engine.turns
+    original = engine.turn_session
 
     @contextmanager
     def spy():
@@ -38,7 +38,7 @@ def play(model, tok, reuse: bool, temperature: float, seed: int = 0):
             seen.append(cache)
             yield cache
 
-    engine.turns = spy  # type: ignore[method-assign]
+    engine.turn_session = spy  # type: ignore[method-assign]
     harness = RolloutHarness(lambda: GuessNumberEnv(max_turns=5), tok, ChatFormatter(tok), max_turns=5)
     torch.manual_seed(seed)
     result = harness.rollout(engine, [1, 2, 3, 4], SamplingParams(8, temperature=temperature), group_size=3)
@@ -72,7 +72,7 @@ def test_a_row_that_continues_nothing_runs_from_scratch(chat_model):
     ids = tok("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False).input_ids
     other = tok("<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
     params = SamplingParams(4, temperature=0.0)
-    with engine.turns() as cache:
+    with engine.turn_session() as cache:
         first = engine.generate([ids], params)[0]
         assert cache.reused_calls == 0 and cache.last is not None
         follow = ids + first.token_ids + tok("\nmore", add_special_tokens=False).input_ids

@@ -35,6 +35,29 @@ def children_of_this_process() -> list[int]:
     return [c for c in children_of(os.getpid()) if "resource_tracker" not in cmdline(c)]
 
 
+_BEFORE: set[int] = set()  # children an earlier test of this process left (note_children)
+
+
+def note_children() -> None:
+    """Remember the children alive now: what an earlier test of this xdist worker left is not what
+    the test that calls this starts (the leftovers are shown in its log, not blamed on it)."""
+    _BEFORE.clear()
+    _BEFORE.update(children_of_this_process())
+    if _BEFORE:
+        print("children left by an earlier test:", "; ".join(f"{p}: {cmdline(p)[:200]}" for p in _BEFORE))
+
+
+def new_children() -> list[int]:
+    """This process's live children started since :func:`note_children`."""
+    return [c for c in children_of_this_process() if c not in _BEFORE]
+
+
+def assert_no_children() -> None:
+    """No child started since :func:`note_children` is left (each named with its command line)."""
+    left = new_children()
+    assert not left, "children left: " + "; ".join(f"{pid}: {cmdline(pid)[:200]}" for pid in left)
+
+
 def cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
@@ -46,6 +69,7 @@ def cmdline(pid: int) -> str:
 def no_shared_workers():
     """Each test starts without the shared pools' workers other tests may have left."""
     close_shared_pools()
+    note_children()
     yield
 
 
@@ -94,7 +118,7 @@ def test_values_exceptions_and_timeouts_come_back():
         assert pool.timeouts == 1
     finally:
         pool.close()
-    assert children_of_this_process() == []
+    assert_no_children()
 
 
 def test_something_that_cannot_be_pickled_is_refused_before_any_worker_starts():
@@ -141,7 +165,7 @@ def test_runaway_calls_are_stopped_and_leave_nothing_running():
     assert after / before > 0.7, (before, after)  # with 20 abandoned threads this was ~0.1
     assert {t.name for t in set(threading.enumerate()) - threads_before} <= {"child-starter"}
     pool.close()
-    assert children_of_this_process() == []
+    assert_no_children()
 
 
 def test_many_threads_share_a_pool():
@@ -162,7 +186,7 @@ def test_many_threads_share_a_pool():
     assert [r.timed_out for r in results] == [i % 3 == 0 for i in range(12)]
     assert all(r.output == "awake" for i, r in enumerate(results) if i % 3)
     pool.close()
-    assert children_of_this_process() == []
+    assert_no_children()
 
 
 def test_inline_calls_are_stopped_by_a_timer_in_the_main_thread():
