@@ -26,7 +26,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from rlhf_lightning.rewards import reward_value
 from rlhf_lightning.runtime.workers import CallTimeout, WorkerPool
 
 StepTimeout = CallTimeout  # ``env.step`` did not return within ``env.step_timeout_s``
@@ -134,6 +133,10 @@ class EnvStepper:
 def check_step_output(env: Any, out: Any) -> tuple[Any, float, bool, bool, dict]:
     """``env.step``'s return value, checked: (observation, reward as a float, terminated,
     truncated, info); a ``TypeError`` names what is wrong."""
+    # imported here: a step worker process imports this module, and rewards brings torch (~2 s a
+    # fresh worker, which a stopped step's replacement would wait for)
+    from rlhf_lightning.rewards import reward_value
+
     name = f"{type(env).__name__}.step"
     if not isinstance(out, tuple) or len(out) != 5:
         raise TypeError(f"{name} must return (observation, reward, terminated, truncated, info), got {out!r}")
