@@ -44,6 +44,17 @@ CHAT_MODEL_DIR = ASSETS / "tiny_chat"
 EVAL_ENVS = ("tool_calc", "guess_number")
 
 
+# A build's SFT runs keep no checkpoints, exports or sample tables and show no progress bar.
+QUIET_BUILD = [
+    "checkpoint.every_n_steps=0",
+    "checkpoint.save_last=false",
+    "checkpoint.export_adapters=false",
+    "checkpoint.monitor=null",
+    "samples.every_n_steps=0",
+    "trainer.enable_progress_bar=false",
+]
+
+
 def compose_config(overrides: list[str]) -> DictConfig:
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
@@ -155,12 +166,7 @@ def main() -> None:
                 f"trainer.val_check_interval={args.eval_every}",
                 "env=tool_calc",
                 "rollout.max_new_tokens=16",
-                "checkpoint.every_n_steps=0",
-                "checkpoint.save_last=false",
-                "checkpoint.export_adapters=false",
-                "checkpoint.monitor=null",
-                "samples.every_n_steps=0",
-                "trainer.enable_progress_bar=false",
+                *QUIET_BUILD,
                 f"seed={args.seed}",
                 "num_threads=1",
                 f"output_dir={work / 'run'}",

@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from build_tiny_chat_model import compose_config
+from build_tiny_chat_model import QUIET_BUILD, compose_config
 from build_tiny_gem_model import EvalAndStop
 from make_chat_sft_data import write_jsonl
 from make_gem_sft_data import SUDOKU_ID, gem_dialogues, summary
@@ -152,12 +152,7 @@ def sft_config(
             "env=gem",
             f"env.max_model_len={MAX_MODEL_LEN}",
             "rollout.max_new_tokens=10",
-            "checkpoint.every_n_steps=0",
-            "checkpoint.save_last=false",
-            "checkpoint.export_adapters=false",
-            "checkpoint.monitor=null",
-            "samples.every_n_steps=0",
-            "trainer.enable_progress_bar=false",
+            *QUIET_BUILD,
             f"eval.before_training={bool(every)}",
             f"seed={args.seed}",
             f"num_threads={args.threads}",
