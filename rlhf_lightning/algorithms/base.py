@@ -17,7 +17,6 @@ population's schedule (side by side, round-robin) that its callback provides.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -31,7 +30,7 @@ from rlhf_lightning.algorithms.diagnostics import (
 )
 from rlhf_lightning.algorithms.evaluation import RolloutEvaluation
 from rlhf_lightning.config.algo import RolloutAlgoConfig
-from rlhf_lightning.data.resumable import rows_of_batch
+from rlhf_lightning.data.resumable import ResumableLoader
 from rlhf_lightning.learner.family import Family
 from rlhf_lightning.learner.learner import Learner
 from rlhf_lightning.learner.member import Member, MemberSchedule, OneMember, schedule_of
@@ -46,18 +45,15 @@ from rlhf_lightning.rollout.harness import RolloutHarness, RolloutResult
 from rlhf_lightning.rollout.hooks import hook_callbacks
 
 
-def actor_source(
-    policy: Any, rank: int, loader: Callable[[], Any], world_size: int = 1, device: str = "cpu"
-) -> BatchSource:
+def actor_source(policy: Any, rank: int, world_size: int = 1, device: str = "cpu") -> BatchSource:
     """The producer's view of the trainer: ``rank``, a CPU copy of ``policy``'s actor weights
-    (by the role the policy was built with), the rows of the train ``loader()``'s future batches,
-    the number of ranks and the trainer's ``device``."""
+    (by the role the policy was built with), the number of ranks and the trainer's ``device``."""
     actor = policy.roles["actor"]
 
     def weights() -> dict[str, torch.Tensor]:
         return {n: p.detach().to("cpu", copy=True) for n, p in policy.named_parameters() if n in actor}
 
-    return BatchSource(rank, weights, lambda b: rows_of_batch(loader(), b), world_size, device)
+    return BatchSource(rank, weights, world_size, device)
 
 
 class RolloutModule(RolloutEvaluation):
@@ -135,8 +131,7 @@ class RolloutModule(RolloutEvaluation):
             self.learn(k, member, result, len(rollouts)) for k, (member, result) in enumerate(rollouts)
         ]
         # The step is done: with rollout.mode=async the new weights go to the producer.
-        first = rollouts[0][0]
-        self.collector.step_done(first.sampling, first.hp.group_size, self.producer_view)
+        self.collector.step_done(self.producer_view)
         # 3. Log: one member's metrics, or each member's under member_k/ and their mean.
         step_s = time.perf_counter() - t_start
         each = [m for m, _ in learned]
@@ -176,15 +171,27 @@ class RolloutModule(RolloutEvaluation):
         with ``rollout.mode=async`` the producer's batch (generated ahead, with its versions).
         GRPO's dynamic sampling adds refills."""
         generate = lambda r: self.rollout(r, member.sampling, group_size=member.hp.group_size)  # noqa: E731
-        return self.collector.collect(
-            rows, generate, member.sampling, member.hp.group_size, self.producer_view
-        )
+        return self.collector.collect(rows, generate)
+
+    def on_train_start(self) -> None:
+        """Asynchronous rollouts start here, after a checkpoint is restored and before the first
+        step: they are handed the train loader's plan of rows, the sampling and group size of the
+        member that learns (a population is refused with ``rollout.mode=async``)."""
+        super().on_train_start()
+        if self.collector.async_rollouts is None:
+            return
+        loader = self.trainer.train_dataloader
+        if not isinstance(loader, ResumableLoader):
+            raise TypeError(
+                f"rollout.mode=async generates ahead for the rows of the run's ResumableLoader; the train "
+                f"loader is a {type(loader).__name__}: use the env's prompts data module, or rollout.mode=sync"
+            )
+        member = self.schedule.learning_now()[0]
+        self.collector.begin(loader.plan, member.sampling, member.hp.group_size, self.producer_view())
 
     def producer_view(self) -> BatchSource:
         """What the producer needs of this trainer (``rollout.mode=async``): :func:`actor_source`."""
-        return actor_source(
-            self.policy, self.rank, lambda: self.trainer.train_dataloader, self.world_size, str(self.device)
-        )
+        return actor_source(self.policy, self.rank, self.world_size, str(self.device))
 
     def finalize_rewards(self, result: RolloutResult) -> RolloutResult:
         """The step's training rewards once its batch is final (after every refill round): the

@@ -10,15 +10,64 @@ iterator has yielded: the loop fetches one batch ahead.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 
+def epoch_order(num_rows: int, epoch: int, seed: int, rank: int = 0, world_size: int = 1) -> list[int]:
+    """Rank ``rank``'s shuffled row indices of ``epoch`` (of ``world_size``), the last partial share
+    dropped. One process: a seeded generator draws a base seed, then the permutation, each epoch
+    (epoch 0 is the order of a shuffling DataLoader with that generator). Several: ``DistributedSampler``'s with ``drop_last`` (``seed + epoch``,
+    the first ``world_size * (num_rows // world_size)`` indices interleaved by rank)."""
+    per_rank = num_rows // world_size
+    if world_size > 1:
+        g = torch.Generator().manual_seed(seed + epoch)
+        order = torch.randperm(num_rows, generator=g).tolist()
+        return order[: per_rank * world_size][rank::world_size]
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(epoch + 1):
+        torch.empty((), dtype=torch.int64).random_(generator=g)  # the loader's base seed
+        order = torch.randperm(num_rows, generator=g).tolist()
+    return order[:per_rank]
+
+
+@dataclass(frozen=True)
+class BatchRows:
+    """Which rows each batch of a run trains on, counted from epoch 0 (whole batches: an epoch's
+    last partial one is dropped): the train loader iterates exactly this, and asynchronous
+    rollouts are handed it to generate for a batch before the loop reaches it."""
+
+    num_rows: int
+    batch_size: int
+    seed: int
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def per_epoch(self) -> int:
+        """Whole batches in an epoch on this rank."""
+        return (self.num_rows // self.world_size) // self.batch_size
+
+    def epoch(self, epoch: int) -> list[int]:
+        """This rank's row indices of ``epoch``, in the order the loader yields them."""
+        return epoch_order(self.num_rows, epoch, self.seed, self.rank, self.world_size)
+
+    def rows(self, batch: int) -> list[int]:
+        """The rows of the ``batch``-th batch since epoch 0."""
+        if self.per_epoch < 1:
+            raise ValueError(
+                f"{self.num_rows} rows over {self.world_size} rank(s) make no batch of {self.batch_size}"
+            )
+        epoch, j = divmod(batch, self.per_epoch)
+        return self.epoch(epoch)[j * self.batch_size : (j + 1) * self.batch_size]
+
+
 class ResumableSampler(DistributedSampler):
-    """Shuffled indices, reshuffled each epoch, each rank its share; the first epoch after a
-    resume starts ``skip`` indices in.
+    """Shuffled indices (:func:`epoch_order`), reshuffled each epoch, each rank its share; the
+    first epoch after a resume starts ``skip`` indices in.
 
     A ``DistributedSampler`` so that Lightning keeps it (it replaces other samplers on several
     processes); with one process it is a seeded shuffle.
@@ -32,27 +81,9 @@ class ResumableSampler(DistributedSampler):
         self.resume_epoch, self.skip = epoch, skip
 
     def permutation(self) -> list[int]:
-        """This rank's indices for ``self.epoch``. One process: the order torch's shuffling
-        DataLoader gave before (a seeded generator that draws the loader's base seed, then the
-        permutation, each epoch), so single-process runs keep their data order. Several:
-        ``DistributedSampler``'s (``seed + epoch``, interleaved by rank)."""
-        if self.num_replicas > 1:
-            return list(super().__iter__())
-        g = torch.Generator().manual_seed(self.seed)
-        for _ in range(self.epoch + 1):
-            torch.empty((), dtype=torch.int64).random_(generator=g)  # the loader's base seed
-            order = torch.randperm(len(self.dataset), generator=g)  # type: ignore[arg-type]
-        usable = self.num_samples  # drop_last: the same length as the distributed case
-        return order[:usable].tolist()
-
-    def indices_of_epoch(self, epoch: int) -> list[int]:
-        """This rank's indices of ``epoch`` (:meth:`permutation` of that epoch; no state changes)."""
-        current = self.epoch
-        self.epoch = epoch
-        try:
-            return self.permutation()
-        finally:
-            self.epoch = current
+        """This rank's indices for ``self.epoch``."""
+        n = len(self.dataset)  # type: ignore[arg-type]
+        return epoch_order(n, self.epoch, self.seed, self.rank, self.num_replicas)
 
     def __iter__(self) -> Iterator[int]:
         indices = self.permutation()
@@ -74,6 +105,14 @@ class ResumableLoader(DataLoader):
         super().__init__(*args, **kwargs)
         self.position = position
 
+    @property
+    def plan(self) -> BatchRows:
+        """The rows of every batch this loader yields (its sampler's order, whole batches)."""
+        sampler = self.sampler
+        assert isinstance(sampler, ResumableSampler)
+        n = len(sampler.dataset)  # type: ignore[arg-type]
+        return BatchRows(n, int(self.batch_size or 1), sampler.seed, sampler.rank, sampler.num_replicas)
+
     def state_dict(self) -> dict[str, int]:
         epoch, batches = self.position()
         return {"epoch": epoch, "batches": batches, "batch_size": int(self.batch_size or 1)}
@@ -87,17 +126,6 @@ class ResumableLoader(DataLoader):
         sampler = self.sampler
         assert isinstance(sampler, ResumableSampler)
         sampler.resume(state["epoch"], state["batches"] * state["batch_size"])
-
-
-def rows_of_batch(loader: DataLoader, batch: int) -> list[int]:
-    """The rows the train ``loader`` yields as its ``batch``-th batch since epoch 0 (full epochs
-    of whole batches, as its sampler drops the last partial one): what the training loop will
-    receive at that step, known ahead (asynchronous rollouts generate for it early)."""
-    sampler, size = loader.sampler, int(loader.batch_size or 1)
-    assert isinstance(sampler, ResumableSampler)
-    per_epoch = len(sampler) // size
-    epoch, j = divmod(batch, per_epoch)
-    return sampler.indices_of_epoch(epoch)[j * size : (j + 1) * size]
 
 
 def resumable_loader(

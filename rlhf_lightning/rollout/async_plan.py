@@ -1,6 +1,6 @@
 """The async settings and the version plan of ``rollout.mode=async``: which policy version and
-seed each batch and turn uses, where each rank's producer runs, and what the producer needs of
-the trainer (:class:`BatchSource`).
+seed each batch and turn uses, where each rank's producer runs, what the producer needs of the
+trainer (:class:`BatchSource`) and the rows it generates for (:class:`RowPlan`).
 
 Versions count optimizer updates of whole batches: the weights after training step ``s`` are
 version ``s + 1``, and batch ``s`` trains at version ``s``. With ``rollout.max_staleness=K``:
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -82,14 +83,21 @@ def is_stale(result: RolloutResult, step: int) -> bool:
     return any(v < step for t in result.trajectories for v in t.turn_versions)
 
 
+class RowPlan(Protocol):
+    """The rows of each batch of the run, counted from epoch 0, exactly as the train loader yields
+    them (:class:`~rlhf_lightning.data.resumable.BatchRows`): handed to the asynchronous rollouts
+    at the start of a fit, so they generate for batches the loop has not reached."""
+
+    def rows(self, batch: int) -> list[int]: ...
+
+
 @dataclass(frozen=True)
 class BatchSource:
     """What the producer needs from the trainer: its rank, the current trainable weights
-    (``weights()``, a CPU copy), the rows of a future batch (``rows_of(step)``), the number of
-    ranks and the trainer's device (where a producer without ``rollout.devices`` runs)."""
+    (``weights()``, a CPU copy), the number of ranks and the trainer's device (where a producer
+    without ``rollout.devices`` runs)."""
 
     rank: int
     weights: Callable[[], Weights]
-    rows_of: Callable[[int], list[int]]
     world_size: int = 1
     device: str = "cpu"

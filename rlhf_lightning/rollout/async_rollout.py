@@ -41,6 +41,7 @@ from rlhf_lightning.rollout.async_plan import (
     AsyncSettings,
     BatchSource,
     ProducerFailed,
+    RowPlan,
     Weights,
     batch_seed,
     placement,
@@ -99,6 +100,8 @@ class AsyncRollouts:
         self.results: Reader | None = None
         self._spool: Path | None = None
         self._temporary: Path | None = None  # the spool's own temporary directory, if it made one
+        self.plan: RowPlan | None = None  # the rows of each batch, handed over by begin()
+        self.sampling, self.group_size = SamplingParams(), 1
 
     # ---------------------------------------------------------------- process
     @property
@@ -319,30 +322,15 @@ class AsyncRollouts:
         self.replay = {int(step): [int(v) for v in vs] for step, vs in state.get("turns", {}).items()}
 
     # ---------------------------------------------------------------- one training step
-    def rollout(
-        self,
-        step: int,
-        rows: list[int],
-        sampling: SamplingParams,
-        group_size: int,
-        source: BatchSource,
-    ) -> tuple[RolloutResult, dict[str, torch.Tensor]]:
-        """Batch ``step`` for ``rows`` (starting the producer at the first step of a fit), and
-        its ``async/*`` metrics: token staleness, the trainer's and the producer's waits."""
-        if self.proc is None:
-            self.begin(step, rows, sampling, group_size, source)
-        if self.s.max_staleness == 0:
-            self.request(step, rows, sampling, group_size)
-        t0 = time.perf_counter()
-        produced = self.take(step, rows)
-        waited = time.perf_counter() - t0
-        return produced.result, self.metrics(produced, step, waited)
-
     def begin(
-        self, step: int, rows: list[int], sampling: SamplingParams, group_size: int, source: BatchSource
+        self, step: int, plan: RowPlan, sampling: SamplingParams, group_size: int, source: BatchSource
     ) -> None:
-        """Publish the current weights as version ``step``, start the producer, and request the
-        batches ``step .. step + K`` (their versions are this one or the checkpoint's)."""
+        """At the start of a fit, before batch ``step``: publish the current weights as version
+        ``step``, start the producer, and request the batches ``step .. step + K``, each for the
+        rows ``plan`` gives it (their versions are this one or the checkpoint's)."""
+        if self.proc is not None:
+            return
+        self.plan, self.sampling, self.group_size = plan, replace(sampling), group_size
         self.rank = source.rank
         self.place = placement(self.s.devices, source.rank, source.world_size, source.device)
         current = source.weights()
@@ -363,17 +351,29 @@ class AsyncRollouts:
             self.send_weights(v)
         if self.s.max_staleness > 0:
             for b in range(step, step + self.s.max_staleness + 1):
-                self.request(b, rows if b == step else source.rows_of(b), sampling, group_size)
+                self.request(b, plan.rows(b), sampling, group_size)
 
-    def updated(self, version: int, sampling: SamplingParams, group_size: int, source: BatchSource) -> None:
+    def rollout(self, step: int, rows: list[int]) -> tuple[RolloutResult, dict[str, torch.Tensor]]:
+        """Batch ``step``, which the trainer trains on ``rows`` (in lockstep, K = 0, requested
+        now), and its ``async/*`` metrics: token staleness, the trainer's and the producer's waits."""
+        if self.proc is None or self.plan is None:
+            raise RuntimeError("asynchronous rollouts: batch requested before begin() (the fit's start)")
+        if self.s.max_staleness == 0:
+            self.request(step, rows, self.sampling, self.group_size)
+        t0 = time.perf_counter()
+        produced = self.take(step, rows)
+        waited = time.perf_counter() - t0
+        return produced.result, self.metrics(produced, step, waited)
+
+    def updated(self, version: int, source: BatchSource) -> None:
         """The trainer finished update ``version - 1``: publish its weights and request the batch
         that is generated with them (``version + K``)."""
-        if self.proc is None:
+        if self.proc is None or self.plan is None:
             return
         self.publish(version, source.weights())
         if self.s.max_staleness > 0:
             b = version + self.s.max_staleness
-            self.request(b, source.rows_of(b), sampling, group_size)
+            self.request(b, self.plan.rows(b), self.sampling, self.group_size)
 
     @staticmethod
     def metrics(produced: Produced, step: int, waited: float) -> dict[str, torch.Tensor]:

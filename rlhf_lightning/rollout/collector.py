@@ -4,8 +4,9 @@ Synchronous (``rollout.mode=sync``): the step's episodes are generated now, by t
 engine, with the current weights. Asynchronous: they come from the producer process
 (:class:`~rlhf_lightning.rollout.async_rollout.AsyncRollouts`), or with ``rollout=vllm_server``
 from the inference servers (:class:`~rlhf_lightning.rollout.server_async.ServerRollouts`),
-generated ahead with the versions its staleness bound allows; after each update the collector publishes the new weights
-and requests the next batch. The collector counts the steps done (the policy version) and
+generated ahead with the versions its staleness bound allows, for the rows of the train loader's
+plan, which the collector hands them at the start of a fit; after each update the collector
+publishes the new weights and the next batch is requested. The collector counts the steps done (the policy version) and
 checkpoints what a resume needs.
 """
 
@@ -16,7 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
-from rlhf_lightning.rollout.async_plan import BatchSource, is_stale
+from rlhf_lightning.rollout.async_plan import BatchSource, RowPlan, is_stale
 from rlhf_lightning.rollout.engine import SamplingParams
 from rlhf_lightning.rollout.harness import RolloutResult
 
@@ -28,13 +29,13 @@ class AsyncBatches(Protocol):
     (:class:`~rlhf_lightning.rollout.async_rollout.AsyncRollouts`) or the inference servers'
     (:class:`~rlhf_lightning.rollout.server_async.ServerRollouts`)."""
 
-    def rollout(
-        self, step: int, rows: list[int], sampling: SamplingParams, group_size: int, source: BatchSource
-    ) -> tuple[RolloutResult, Metrics]: ...
-
-    def updated(
-        self, version: int, sampling: SamplingParams, group_size: int, source: BatchSource
+    def begin(
+        self, step: int, plan: RowPlan, sampling: SamplingParams, group_size: int, source: BatchSource
     ) -> None: ...
+
+    def rollout(self, step: int, rows: list[int]) -> tuple[RolloutResult, Metrics]: ...
+
+    def updated(self, version: int, source: BatchSource) -> None: ...
 
     def state_dict(self, batches_done: int) -> dict[str, Any]: ...
 
@@ -54,28 +55,29 @@ class Collector:
         self.async_rollouts = async_rollouts
         self.batches_done = 0  # training steps done: the current policy version
 
+    def begin(self, plan: RowPlan, sampling: SamplingParams, group_size: int, source: BatchSource) -> None:
+        """At a fit's start (after a checkpoint is restored): asynchronous rollouts start
+        generating the batches from the current one on, for the rows ``plan`` gives each."""
+        if self.async_rollouts is not None:
+            self.async_rollouts.begin(self.batches_done, plan, sampling, group_size, source)
+
     def collect(
-        self,
-        rows: list[int],
-        generate_now: Callable[[list[int]], RolloutResult],
-        sampling: SamplingParams,
-        group_size: int,
-        source: Callable[[], BatchSource],
+        self, rows: list[int], generate_now: Callable[[list[int]], RolloutResult]
     ) -> tuple[RolloutResult, Metrics]:
         """This step's episodes for ``rows``, and the producer's ``async/*`` metrics."""
         if self.async_rollouts is None:
             return generate_now(rows), {}
-        return self.async_rollouts.rollout(self.batches_done, rows, sampling, group_size, source())
+        return self.async_rollouts.rollout(self.batches_done, rows)
 
     def is_stale(self, result: RolloutResult) -> bool:
         """Whether ``result`` was generated with weights older than the current ones."""
         return is_stale(result, self.batches_done)
 
-    def step_done(self, sampling: SamplingParams, group_size: int, source: Callable[[], BatchSource]) -> None:
+    def step_done(self, source: Callable[[], BatchSource]) -> None:
         """One more update: the new version goes to the producer with the next request."""
         self.batches_done += 1
         if self.async_rollouts is not None:
-            self.async_rollouts.updated(self.batches_done, sampling, group_size, source())
+            self.async_rollouts.updated(self.batches_done, source())
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"batches_done": self.batches_done}

@@ -37,6 +37,7 @@ from rlhf_lightning.rollout.async_plan import (
     AsyncSettings,
     BatchSource,
     ProducerFailed,
+    RowPlan,
     batch_seed,
     turn_versions,
 )
@@ -58,7 +59,7 @@ class ServerRollouts:
     """The trainer's asynchronous rollouts with generation on the servers (module docstring).
 
     Args:
-        engine: the servers (not started yet; started at the first step).
+        engine: the servers (not started yet; started by :meth:`begin`).
         harness: the episodes' driver (the thread's own, not the trainer's evaluation harness).
         policy: the trainer's policy, whose weights each published version is.
         settings: ``rollout.max_staleness``, ``partial``, ``partial_versions``, ``async_timeout_s``
@@ -93,28 +94,20 @@ class ServerRollouts:
         self.started = self.stopping = False
         self.idle_s = 0.0  # the thread's waits for requests and versions since its last batch
         self.rank = 0
+        self.plan: RowPlan | None = None  # the rows of each batch, handed over by begin()
+        self.sampling, self.group_size = SamplingParams(), 1
         self.cond = threading.Condition()
 
     # ---------------------------------------------------------------- one training step
-    def rollout(
-        self, step: int, rows: list[int], sampling: SamplingParams, group_size: int, source: BatchSource
-    ) -> tuple[RolloutResult, dict[str, torch.Tensor]]:
-        """Batch ``step`` for ``rows`` (starting the servers and the thread at a fit's first
-        step), and its ``async/*`` metrics."""
-        if not self.started:
-            self.begin(step, rows, sampling, group_size, source)
-        t0 = time.perf_counter()
-        if self.s.max_staleness == 0:  # lockstep: here, now, with the trainer's generator
-            produced = self.produce(self.make_request(step, rows, sampling, group_size))
-        else:
-            produced = self.take(step, rows)
-        return produced.result, AsyncRollouts.metrics(produced, step, time.perf_counter() - t0)
-
     def begin(
-        self, step: int, rows: list[int], sampling: SamplingParams, group_size: int, source: BatchSource
+        self, step: int, plan: RowPlan, sampling: SamplingParams, group_size: int, source: BatchSource
     ) -> None:
-        """Publish the checkpoint's versions and the current one (``step``), then (K > 0) start
-        the thread and request the batches ``step .. step + K``."""
+        """At the start of a fit, before batch ``step``: start the servers, publish the
+        checkpoint's versions and the current one (``step``), then (K > 0) start the thread and
+        request the batches ``step .. step + K``, each for the rows ``plan`` gives it."""
+        if self.started:
+            return
+        self.plan, self.sampling, self.group_size = plan, replace(sampling), group_size
         self.rank = source.rank
         self.engine.bind_rank(source.rank, source.world_size, 0)
         self.engine.start()
@@ -137,12 +130,23 @@ class ServerRollouts:
             self.thread = threading.Thread(target=self.work, name="server-rollouts", daemon=True)
             self.thread.start()
             for b in range(step, step + self.s.max_staleness + 1):
-                self.request(b, rows if b == step else source.rows_of(b), sampling, group_size)
+                self.request(b, plan.rows(b), sampling, group_size)
 
-    def updated(self, version: int, sampling: SamplingParams, group_size: int, source: BatchSource) -> None:
+    def rollout(self, step: int, rows: list[int]) -> tuple[RolloutResult, dict[str, torch.Tensor]]:
+        """Batch ``step``, which the trainer trains on ``rows``, and its ``async/*`` metrics."""
+        if not self.started or self.plan is None:
+            raise RuntimeError("asynchronous rollouts: batch requested before begin() (the fit's start)")
+        t0 = time.perf_counter()
+        if self.s.max_staleness == 0:  # lockstep: here, now, with the trainer's generator
+            produced = self.produce(self.make_request(step, rows, self.sampling, self.group_size))
+        else:
+            produced = self.take(step, rows)
+        return produced.result, AsyncRollouts.metrics(produced, step, time.perf_counter() - t0)
+
+    def updated(self, version: int, source: BatchSource) -> None:
         """The trainer finished update ``version - 1``: publish its weights, drop the versions no
         batch may use any more, and (K > 0) request the batch generated with it (``version + K``)."""
-        if not self.started:
+        if not self.started or self.plan is None:
             return
         self.engine.publish(version, self.policy)
         with self.cond:
@@ -153,7 +157,7 @@ class ServerRollouts:
             self.published = {v for v in self.published if v >= version - self.s.max_staleness}
         if self.s.max_staleness > 0:
             b = version + self.s.max_staleness
-            self.request(b, source.rows_of(b), sampling, group_size)
+            self.request(b, self.plan.rows(b), self.sampling, self.group_size)
 
     # ---------------------------------------------------------------- requests and batches
     def make_request(self, step: int, rows: list[int], sampling: SamplingParams, group_size: int) -> Request:

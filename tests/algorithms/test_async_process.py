@@ -130,19 +130,26 @@ def test_lockstep_hands_the_trainers_random_state_over_and_back(producers):
 
 
 def source_at(version: int) -> BatchSource:
-    """The trainer's view at ``version``: its weights, and batch ``b``'s rows ``[b]``."""
-    return BatchSource(0, lambda: weights_of(version), lambda b: [b])
+    """The trainer's view at ``version``: its weights."""
+    return BatchSource(0, lambda: weights_of(version))
+
+
+class OneRowEach:
+    """Batch ``b`` trains row ``b``."""
+
+    def rows(self, batch: int) -> list[int]:
+        return [batch]
 
 
 @pytest.mark.slow
 def test_a_producer_started_again_is_sent_the_versions_it_needs(producers):
     ar = rollouts(producers, build_parts)  # K = 1
     sampling = SamplingParams(max_new_tokens=4)
-    ar.begin(0, [0], sampling, 1, source_at(0))  # fit 1: batches 0 and 1 at version 0
+    ar.begin(0, OneRowEach(), sampling, 1, source_at(0))  # fit 1: batches 0 and 1 at version 0
     assert rows_and_weights(ar.take(0, [0])) == ([0], [1.0])
-    ar.updated(1, sampling, 1, source_at(1))  # batch 2 at version 1
+    ar.updated(1, source_at(1))  # batch 2 at version 1
     ar.close()  # teardown at the end of the fit
-    ar.begin(1, [1], sampling, 1, source_at(1))  # fit 2 from step 1: batches 1 (version 0) and 2
+    ar.begin(1, OneRowEach(), sampling, 1, source_at(1))  # fit 2 from step 1: batches 1 (version 0) and 2
     ar.s = replace(ar.s, timeout_s=3.0)  # the producer is up: fail fast if it never gets version 0
     assert rows_and_weights(ar.take(1, [1])) == ([1], [1.0])
     assert rows_and_weights(ar.take(2, [2])) == ([2], [11.0])

@@ -436,16 +436,24 @@ def rollouts(engine: FakeServers, k: int, timeout_s: float = 10.0, max_turns: in
 
 
 SAMPLING = SamplingParams(4)
-SOURCE = BatchSource(0, dict, lambda b: [b % 3, 3 + b % 3])
+SOURCE = BatchSource(0, dict)
+
+
+class Plan:
+    """Batch ``b`` trains rows ``[b % 3, 3 + b % 3]``."""
+
+    def rows(self, batch: int) -> list[int]:
+        return [batch % 3, 3 + batch % 3]
 
 
 def train(r: ServerRollouts, steps: range) -> list[Any]:
-    """The trainer's loop: take batch s, then publish version s + 1."""
+    """The trainer's loop: begin at the fit's first step, take batch s, then publish version s + 1."""
     out = []
+    r.begin(steps.start, Plan(), SAMPLING, 2, SOURCE)
     for s in steps:
-        result, metrics = r.rollout(s, SOURCE.rows_of(s), SAMPLING, 2, SOURCE)
+        result, metrics = r.rollout(s, Plan().rows(s))
         out.append((result, metrics))
-        r.updated(s + 1, SAMPLING, 2, SOURCE)
+        r.updated(s + 1, SOURCE)
     return out
 
 
