@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-from build_tiny_chat_model import compose_config
+from build_tiny_chat_model import QUIET_BUILD, compose_config
 from make_chat_sft_data import write_jsonl
 from make_gem_sft_data import GAMES, gem_dialogues, summary
 
@@ -205,12 +205,7 @@ def main() -> None:
                 "env=gem",
                 f"env.max_model_len={MAX_MODEL_LEN}",
                 "rollout.max_new_tokens=10",
-                "checkpoint.every_n_steps=0",
-                "checkpoint.save_last=false",
-                "checkpoint.export_adapters=false",
-                "checkpoint.monitor=null",
-                "samples.every_n_steps=0",
-                "trainer.enable_progress_bar=false",
+                *QUIET_BUILD,
                 f"seed={args.seed}",
                 "num_threads=1",
                 f"output_dir={work / 'run'}",

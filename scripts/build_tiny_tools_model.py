@@ -44,7 +44,7 @@ from typing import Any, cast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling scripts
 import torch
-from build_tiny_chat_model import ROOT, EvalEnvsAndStop, compose_config
+from build_tiny_chat_model import QUIET_BUILD, ROOT, EvalEnvsAndStop, compose_config
 from make_chat_sft_data import success_rates, write_jsonl
 from make_tool_sft_data import DEFAULT_COPY_QUALITY, DEFAULT_QUALITY, ENV, ENV_KWARGS, tool_use_dialogues
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -169,12 +169,7 @@ def sft_overrides(base: Path, work: Path, args: argparse.Namespace) -> list[str]
         f"trainer.val_check_interval={args.eval_every}",
         f"env={ENV}",
         f"rollout.max_new_tokens={MAX_NEW_TOKENS}",
-        "checkpoint.every_n_steps=0",
-        "checkpoint.save_last=false",
-        "checkpoint.export_adapters=false",
-        "checkpoint.monitor=null",
-        "samples.every_n_steps=0",
-        "trainer.enable_progress_bar=false",
+        *QUIET_BUILD,
         f"seed={args.seed}",
         "num_threads=1",
         f"output_dir={work / 'run'}",
