@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.cli_zygote import run_cli
 from tests.conftest import FAST, ROOT
 
 pytestmark = pytest.mark.slow
@@ -23,14 +24,8 @@ QUICK = [*FAST, "samples.every_n_steps=2"]
 def train(*args: str, cwd: Path, ok: bool = True, merged: bool = False) -> subprocess.CompletedProcess:
     """train.py's process; ``merged``: stderr into stdout, in the order a console shows them."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "HYDRA_FULL_ERROR": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *args],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT if merged else subprocess.PIPE,
-        text=True,
-        timeout=900,
+    proc = run_cli(
+        [sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env, timeout=900, merged=merged
     )
     assert (proc.returncode == 0) == ok, proc.stdout[-3000:] + (proc.stderr or "")[-5000:]
     return proc

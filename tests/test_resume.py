@@ -6,7 +6,6 @@ from __future__ import annotations
 import csv
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_lightning.run import checkpoint_step
+from tests.cli_zygote import ZygotePopen
 from tests.conftest import ROOT
 from tests.population.test_side_by_side import MEMBERS
 from tests.runtime.test_workers import alive, children_of
@@ -89,29 +89,23 @@ def reference(cwd: Path, overrides: list[str]) -> Path:
 
 
 def train(cwd: Path, *overrides: str, rc: int = 0) -> str:
-    proc = subprocess.run(
-        command(*overrides), cwd=cwd, capture_output=True, text=True, timeout=600, env=env()
-    )
-    assert proc.returncode == rc, proc.stderr[-4000:]
-    return proc.stdout + proc.stderr
+    """``train.py``'s command line in its own process (forked from the tests' zygote: without a
+    new interpreter's imports); returns what it printed (stdout and stderr)."""
+    proc = start(cwd, *overrides)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == rc, out[-4000:]
+    return out
 
 
-def start(cwd: Path, *overrides: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        command(*overrides),
-        cwd=cwd,
-        env=env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # its own process group: a kill reaches every rank
-    )
+def start(cwd: Path, *overrides: str) -> ZygotePopen:
+    """``train.py`` started in its own session (a kill of its group reaches every rank)."""
+    return ZygotePopen(command(*overrides), cwd=cwd, env=env())
 
 
-def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
+def wait_for(path: Path, proc: ZygotePopen, timeout: float = 300) -> None:
     end = time.time() + timeout
     while not path.exists():
-        assert proc.poll() is None, f"the run ended before {path} appeared: {proc.stdout.read()[-3000:]}"  # type: ignore[union-attr]
+        assert proc.poll() is None, f"the run ended before {path} appeared: {proc.stdout.read()[-3000:]}"
         assert time.time() < end, f"{path} never appeared"
         time.sleep(0.1)
 
@@ -135,7 +129,7 @@ def assert_continues_exactly(reference: Path, resumed: Path, after: int) -> None
         assert got[key] == ref[key], key  # every column, as written: bitwise on CPU in float32
 
 
-def kill_the_trainer_alone(proc: subprocess.Popen) -> None:
+def kill_the_trainer_alone(proc: ZygotePopen) -> None:
     """SIGKILL the trainer's own pid, not its group (as the OOM killer does), and check that its
     children (the rollout producer, workers) follow it within a few seconds."""
     children = children_of(proc.pid)

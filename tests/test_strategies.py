@@ -15,6 +15,7 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from rlhf_lightning.config.errors import ConfigError
 from rlhf_lightning.run.validation import validate
 from rlhf_lightning.runtime.strategies import build_strategy
+from tests.cli_zygote import run_cli
 from tests.conftest import FAST, ROOT, compose_config
 
 DDP = ["strategy=ddp", "trainer.accelerator=cpu", "trainer.devices=2"]
@@ -57,9 +58,9 @@ def test_fsdp_refuses_what_it_cannot_do_at_start_up(overrides, refused):
 def train(tmp_path: Path, *overrides: str, multirun: bool = False, timeout: int = 600):
     cmd = [sys.executable, str(ROOT / "train.py"), *(["-m"] if multirun else []), *overrides, *SMALL]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=timeout, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc.stdout + proc.stderr
+    proc = run_cli(cmd, cwd=tmp_path, env=env, timeout=timeout, merged=True)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return proc.stdout
 
 
 def metric_rows(run_dir: Path) -> list[dict[str, str]]:

@@ -13,6 +13,7 @@ import torch
 from peft import PeftModel
 
 from rlhf_lightning.models.build import load_model
+from tests.cli_zygote import run_cli
 from tests.conftest import FAST, ROOT, compose_config
 
 pytestmark = pytest.mark.slow
@@ -20,14 +21,7 @@ pytestmark = pytest.mark.slow
 
 def train(*args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "HYDRA_FULL_ERROR": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    proc = run_cli([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 
@@ -111,12 +105,6 @@ def test_tensorboard_logger(tmp_path):
 
 def test_bad_value_fails_fast_with_one_clear_message(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), "algo.group_size=1"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
+    proc = run_cli([sys.executable, str(ROOT / "train.py"), "algo.group_size=1"], cwd=tmp_path, env=env)
     assert proc.returncode != 0
     assert "invalid config: algo.group_size=1: at least 2" in proc.stderr

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 from rlhf_lightning.algorithms import ALGORITHMS, AlgorithmSpec, get_algorithm, register_algorithm
 from rlhf_lightning.algorithms.grpo import GRPOModule
 from rlhf_lightning.config import GRPOConfig
+from tests.cli_zygote import run_cli
 from tests.conftest import ROOT
 
 TOY_YAML = """\
@@ -57,7 +57,7 @@ def test_a_family_from_a_test_module_trains_through_the_cli(tmp_path):
         "num_threads=1",
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    proc = run_cli(cmd, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with Path(out, "metrics.csv").open() as f:
         rows = list(csv.DictReader(f))
@@ -69,7 +69,7 @@ def test_a_family_from_a_test_module_trains_through_the_cli(tmp_path):
         f"output_dir={tmp_path / 'bad'}",
         "+algo.lrr=1",
     ]
-    proc = subprocess.run(bad, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    proc = run_cli(bad, cwd=ROOT, env=env, timeout=300)
     assert proc.returncode != 0 and "lrr" in proc.stderr
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import csv
 import os
-import subprocess
 import sys
 import textwrap
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from rlhf_lightning.config.algo import GRPOConfig, registered_name, with_hparams
 from rlhf_lightning.config.errors import ConfigError
 from rlhf_lightning.learner.objective import PolicyTerm
 from rlhf_lightning.run.validation import validate
+from tests.cli_zygote import run_cli
 from tests.conftest import FAST, ROOT, compose_config
 from tests.conftest import USER_LOSS_MODULE as MODULE
 
@@ -123,7 +123,7 @@ def test_an_outside_loss_param_is_swept_from_the_command_line(user_loss_module, 
         "num_threads=1",
     ]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{user_loss_module}"}
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    proc = run_cli(cmd, cwd=ROOT, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     seen = {}
     for metrics in sorted(sweep.glob("*/metrics.csv")):

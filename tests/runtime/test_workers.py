@@ -23,6 +23,7 @@ from rlhf_lightning.runtime.workers import (
     close_shared_pools,
     in_worker,
 )
+from tests.cli_zygote import ZYGOTE_MARK
 from tests.envs.slow_things import boom, sleepy, spin, suicide
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,8 +32,12 @@ ROOT = Path(__file__).resolve().parents[2]
 def children_of_this_process() -> list[int]:
     """The pids of this process's live (non-zombie) children, from /proc, but multiprocessing's
     resource tracker (started once per process by the first spawned child, it lives as long as
-    the process: an earlier test's)."""
-    return [c for c in children_of(os.getpid()) if "resource_tracker" not in cmdline(c)]
+    the process: an earlier test's) and the tests' command-line zygote (tests/cli_zygote.py)."""
+    return [
+        c
+        for c in children_of(os.getpid())
+        if not any(m in cmdline(c) for m in ("resource_tracker", ZYGOTE_MARK))
+    ]
 
 
 _BEFORE: set[int] = set()  # children an earlier test of this process left (note_children)
@@ -206,7 +211,8 @@ def test_workers_die_with_their_parent(tmp_path):
             import sys, threading
             sys.path.insert(0, {str(ROOT)!r})
             from rlhf_lightning.runtime.workers import WorkerPool
-            from tests.envs.slow_things import sleepy, spin
+            from tests.cli_zygote import ZYGOTE_MARK
+from tests.envs.slow_things import sleepy, spin
             pool = WorkerPool(2)
             pool.call(sleepy, (0.0,))
             for _ in range(2):  # the second worker is started for a thread
