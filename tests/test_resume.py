@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -129,6 +130,15 @@ def assert_continues_exactly(reference: Path, resumed: Path, after: int) -> None
         assert got[key] == ref[key], key  # every column, as written: bitwise on CPU in float32
 
 
+def gone_within(pids: Iterable[int], seconds: float) -> None:
+    """Every process of ``pids`` exits within ``seconds`` (the run's own process has ended; what
+    it started follows it)."""
+    deadline = time.time() + seconds
+    while left := [p for p in pids if alive(p)]:
+        assert time.time() < deadline, f"processes {left} outlived the run by {seconds} s"
+        time.sleep(0.05)
+
+
 def kill_the_trainer_alone(proc: ZygotePopen) -> None:
     """SIGKILL the trainer's own pid, not its group (as the OOM killer does), and check that its
     children (the rollout producer, workers) follow it within a few seconds."""
@@ -136,10 +146,7 @@ def kill_the_trainer_alone(proc: ZygotePopen) -> None:
     assert children, "the trainer has no child process to outlive it"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    deadline = time.time() + 5
-    while [c for c in children if alive(c)]:
-        assert time.time() < deadline, f"children {[c for c in children if alive(c)]} outlived their trainer"
-        time.sleep(0.05)
+    gone_within(children, 5)
 
 
 def killed_and_resumed(

@@ -211,8 +211,7 @@ def test_workers_die_with_their_parent(tmp_path):
             import sys, threading
             sys.path.insert(0, {str(ROOT)!r})
             from rlhf_lightning.runtime.workers import WorkerPool
-            from tests.cli_zygote import ZYGOTE_MARK
-from tests.envs.slow_things import sleepy, spin
+            from tests.envs.slow_things import sleepy, spin
             pool = WorkerPool(2)
             pool.call(sleepy, (0.0,))
             for _ in range(2):  # the second worker is started for a thread
