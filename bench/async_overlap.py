@@ -29,7 +29,6 @@ def parts() -> tuple:
     """The default run's harness, engine, policy and sampling parameters, in this process."""
     from hydra import compose, initialize_config_dir
 
-    from rlhf_lightning.algorithms.spec import get_algorithm
     from rlhf_lightning.config import register_configs
     from rlhf_lightning.models.build import build_policy
     from rlhf_lightning.run.factories import (
@@ -44,7 +43,7 @@ def parts() -> tuple:
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose(config_name="config")
     tokenizer = tokenizer_from(cfg.model, cfg.env)
-    harness, _, _ = harness_from(cfg, tokenizer, get_algorithm(cfg.algo.module))
+    harness, _, _ = harness_from(cfg, tokenizer, online=True)
     policy = build_policy(model_from(cfg.model), lora_r=cfg.model.lora.r, lora_alpha=cfg.model.lora.alpha)
     return (
         harness,

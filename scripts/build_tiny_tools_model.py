@@ -49,7 +49,6 @@ from make_chat_sft_data import success_rates, write_jsonl
 from make_tool_sft_data import DEFAULT_COPY_QUALITY, DEFAULT_QUALITY, ENV, ENV_KWARGS, tool_use_dialogues
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from rlhf_lightning.algorithms.spec import get_algorithm
 from rlhf_lightning.config import ASSETS
 from rlhf_lightning.models.tiny import build_tiny_model, build_tokenizer
 from rlhf_lightning.rollout.chat import env_tools
@@ -66,7 +65,7 @@ MAX_NEW_TOKENS = 40  # a call is ~29 tokens with this tokenizer, plus the end-of
 def tools_harness(tokenizer: Any) -> RolloutHarness:
     """The rollout harness of ``conf/env/tools.yaml``, with the env's tools in the system turn,
     as a run builds it (``factories.harness_from``; an offline family: the env's own rewards)."""
-    harness, _, _ = harness_from(compose_config([f"env={ENV}"]), tokenizer, get_algorithm("sft"))
+    harness, _, _ = harness_from(compose_config([f"env={ENV}"]), tokenizer, online=False)
     return harness
 
 

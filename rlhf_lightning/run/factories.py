@@ -1,7 +1,8 @@
 """Wiring from config: every component of a run built by a small factory from its config node.
 
     tokenizer_from(model, env) -> harness_from(cfg, ...) -> model_from(model) -> policy_from(...)
-    -> build_engine(cfg, ...) -> module_and_data(cfg, ...)                       = build(cfg)
+    -> build_engine(cfg, ...)            (run/parts.py: what the rollout producer builds too)
+    -> module_and_data(cfg, ...)                                                    = build(cfg)
     run_callbacks(cfg, output_dir)                                                 the run's callbacks
 
 A knob is read in the factory of its node only: adding one touches its schema, its YAML and
@@ -14,11 +15,11 @@ import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import lightning as L
 import torch
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from rlhf_lightning.algorithms.checks import resolve_algo
 from rlhf_lightning.algorithms.spec import AlgorithmSpec, get_algorithm
@@ -31,168 +32,28 @@ from rlhf_lightning.callbacks.progress import ProgressLog, StepProgressBar, auto
 from rlhf_lightning.callbacks.signals import StopOnSignal
 from rlhf_lightning.data.offline import OfflineDataModule
 from rlhf_lightning.data.prompts import PromptDataModule
-from rlhf_lightning.envs.factory import env_factory, split_sizes
-from rlhf_lightning.models.build import build_policy, load_model, load_tokenizer
-from rlhf_lightning.models.policy import Policy
 from rlhf_lightning.population.callback import Population
 from rlhf_lightning.population.checks import default_evolve_every, side_by_side
 from rlhf_lightning.population.evolution import DEFAULT_SPACE, MutationRange, flat_space
 from rlhf_lightning.population.side_by_side import SideBySidePopulation
-from rlhf_lightning.rewards import CombinedReward, build_reward
 from rlhf_lightning.rollout.async_plan import AsyncSettings
-from rlhf_lightning.rollout.async_producer import Placement
 from rlhf_lightning.rollout.async_rollout import AsyncRollouts
 from rlhf_lightning.rollout.callback import RolloutEngineCallback
-from rlhf_lightning.rollout.chat import ChatFormatter, check_template, env_tools
-from rlhf_lightning.rollout.engine import SamplingParams
 from rlhf_lightning.rollout.harness import RolloutHarness
-from rlhf_lightning.rollout.hf import HFEngine
 from rlhf_lightning.rollout.server_async import ServerRollouts
-from rlhf_lightning.run.server_factory import server_engine, server_rollouts
+from rlhf_lightning.run.parts import (  # noqa: F401  (re-exported: the factories' old place)
+    ProducerBuild,
+    build_engine,
+    harness_from,
+    model_from,
+    policy_from,
+    sampling_from,
+    tokenizer_from,
+    training_reward,
+)
+from rlhf_lightning.run.server_factory import server_rollouts
 
 log = logging.getLogger(__name__)
-
-
-# ---------------------------------------------------------------- model, env, engine
-def tokenizer_from(m: DictConfig, e: DictConfig) -> Any:
-    """The ``model`` node's tokenizer, with the chat template the ``env`` needs."""
-    return load_tokenizer(
-        m.tokenizer_path or m.path,
-        revision=m.revision,
-        trust_remote_code=m.trust_remote_code,
-        pad_token=m.pad_token,
-        chat_template=m.chat_template,
-        need_chat_template=e.apply_chat_template,
-        field="model.tokenizer_path" if m.tokenizer_path else "model.path",
-    )
-
-
-def harness_from(cfg: DictConfig, tokenizer: Any, spec: AlgorithmSpec) -> tuple[RolloutHarness, int, int]:
-    """The ``env`` node's rollout harness (the ``reward`` group for online families), and the
-    sizes of its train and eval splits."""
-    e = cfg.env
-    factory = env_factory(e._target_, cast(dict[str, Any], OmegaConf.to_container(e.kwargs, resolve=True)))
-    train_rows, eval_rows = split_sizes(factory, e.train_size, e.eval_size)
-    formatter = ChatFormatter(tokenizer, e.system_prompt, e.apply_chat_template, tools=env_tools(factory))
-    check_template(formatter, multi_turn=e.max_turns > 1, history=e.history)
-    harness = RolloutHarness(
-        factory,
-        tokenizer,
-        formatter,
-        max_turns=e.max_turns,
-        max_model_len=e.max_model_len,
-        on_reward_error=e.on_reward_error,
-        reward=training_reward(cfg.reward) if spec.data == "online" else None,
-        concurrency=e.concurrency,
-        step_timeout_s=e.step_timeout_s,
-        step_workers=e.step_workers,
-        history=e.history,
-        history_k=e.history_k,
-    )
-    return harness, train_rows, eval_rows
-
-
-def model_from(m: DictConfig) -> Any:
-    """The ``model`` node's causal LM (quantized, with Liger's kernels, as it asks)."""
-    return load_model(
-        m.path,
-        dtype=m.dtype,
-        attn_implementation=m.attn_implementation,
-        revision=m.revision,
-        trust_remote_code=m.trust_remote_code,
-        quantization=m.quantization,
-        quant_type=m.quant_type,
-        double_quant=m.double_quant,
-        compute_dtype=m.compute_dtype,
-        liger_kernels=m.liger_kernels,
-    )
-
-
-def policy_from(
-    model: Any, m: DictConfig, a: DictConfig, spec: AlgorithmSpec, hp: Any, actor_only: bool = False
-) -> Policy:
-    """The trainable policy on ``model``: the adapters (or full model), reference and critic the
-    algorithm family needs; ``actor_only``: the actor alone (the async rollout producer's copy)."""
-    return build_policy(
-        model,
-        finetune=m.finetune,
-        lora_r=m.lora.r,
-        lora_alpha=m.lora.alpha,
-        lora_dropout=m.lora.dropout,
-        lora_target_modules=m.lora.target_modules,
-        need_reference=not actor_only and spec.needs_reference(hp),
-        gradient_checkpointing=m.gradient_checkpointing and not actor_only,
-        adapter_path=m.adapter_path,
-        reference_from_checkpoint=m.reference_from_checkpoint and not actor_only,
-        separate_reference=a.use_separate_reference_adapter and not actor_only,
-        with_critic=spec.needs_critic and not actor_only,
-    )
-
-
-def sampling_from(r: DictConfig) -> SamplingParams:
-    """The ``rollout`` node's training sampling parameters."""
-    return SamplingParams(
-        r.max_new_tokens,
-        temperature=r.temperature,
-        top_p=r.top_p,
-        top_k=r.top_k,
-        stop_token_ids=tuple(r.stop_token_ids),
-        stop=tuple(r.stop),
-        repetition_penalty=r.repetition_penalty,
-        min_p=r.min_p,
-    )
-
-
-def build_engine(
-    cfg: DictConfig, policy: Any, tokenizer: Any, kind: str | None = None, output_dir: Path | None = None
-) -> Any:
-    """The rollout engine ``kind`` (default: ``rollout.engine``): HF ``generate`` on the policy
-    itself, a colocated vLLM (started lazily), or vLLM servers (logs and weights in ``output_dir``)."""
-    r = cfg.rollout
-    if (kind or r.engine) == "vllm_server":
-        return server_engine(cfg, output_dir)
-    if (kind or r.engine) == "hf":
-        return HFEngine(
-            policy.generation_model,
-            tokenizer.pad_token_id,
-            [tokenizer.eos_token_id],
-            r.max_batch_size,
-            tokenizer=tokenizer,
-        )
-    from rlhf_lightning.rollout.vllm import VLLMEngine
-
-    m = cfg.model
-    dtype = r.dtype if r.dtype != "auto" else m.dtype
-    return VLLMEngine(
-        m.path,
-        m.tokenizer_path,
-        dtype=dtype,
-        max_model_len=r.max_model_len or cfg.env.max_model_len,
-        lora_rank=m.lora.r if m.finetune == "lora" else None,
-        gpu_memory_utilization=r.gpu_memory_utilization,
-        kv_cache_memory_bytes=r.kv_cache_memory_bytes,
-        enforce_eager=r.enforce_eager,
-        sleep_mode=r.sleep_mode,
-        sleep_mode_level=r.sleep_mode_level,
-        lora_staging_dir=r.lora_staging_dir,
-        seed=r.seed if r.seed is not None else cfg.seed,  # + the rank, once the trainer knows it
-        enable_prefix_caching=r.enable_prefix_caching,
-    )
-
-
-def training_reward(rw: DictConfig) -> CombinedReward | None:
-    """The ``reward`` group as a :class:`CombinedReward` (None: the env's rewards as they are)."""
-    fns = OmegaConf.to_container(rw.fn) if isinstance(rw.fn, ListConfig) else rw.fn
-    weights = OmegaConf.to_container(rw.weights) if isinstance(rw.weights, DictConfig) else rw.weights
-    model_kwargs = {
-        "path": rw.model_path,
-        "batch_size": rw.model_batch_size,
-        "max_len": rw.model_max_len,
-        "normalize": rw.normalize,
-        "offload": rw.offload,
-        "dtype": rw.model_dtype,
-    }
-    return build_reward(list(rw.sources), fns, weights, model_kwargs)
 
 
 # population.* fields a population callback takes by name (besides size, evolve_every, mutate)
@@ -220,31 +81,6 @@ def population_callback(cfg: DictConfig, output_dir: Path) -> Population | SideB
 
 
 # ---------------------------------------------------------------- asynchronous rollouts
-@dataclass(frozen=True)
-class ProducerBuild:
-    """Builds the rollout producer's parts in its own process (``rollout.mode=async``): the
-    harness, the engine and a policy of the same structure as the trainer's actor (no reference,
-    no critic), from the run's resolved config (YAML, so it pickles)."""
-
-    config_yaml: str
-
-    def __call__(self, place: Placement) -> tuple[RolloutHarness, Any, Policy]:
-        """The parts on ``place``: the HF engine's policy on its device; a vLLM engine bound to
-        its rank and CUDA device (its policy stays on the CPU: it only exports the weights)."""
-        cfg = cast(DictConfig, OmegaConf.create(self.config_yaml))
-        m, a = cfg.model, cfg.algo
-        spec = get_algorithm(a.module)
-        tokenizer = tokenizer_from(m, cfg.env)
-        harness, _, _ = harness_from(cfg, tokenizer, spec)
-        policy = policy_from(model_from(m), m, a, spec, None, actor_only=True)
-        engine = build_engine(cfg, policy, tokenizer)
-        if cfg.rollout.engine == "hf":
-            policy.to(place.device)
-        else:
-            engine.bind_rank(place.rank, place.world_size, place.cuda_index or 0)
-        return harness, engine, policy
-
-
 def async_rollouts_from(
     cfg: DictConfig, output_dir: Path | None = None, policy: Any = None, tokenizer: Any = None
 ) -> AsyncRollouts | ServerRollouts | None:
@@ -264,7 +100,7 @@ def async_rollouts_from(
         spool_dir=str(output_dir) if output_dir is not None else None,
     )
     if r.engine == "vllm_server":
-        harness, _, _ = harness_from(cfg, tokenizer, get_algorithm(cfg.algo.module))
+        harness, _, _ = harness_from(cfg, tokenizer, online=True)
         return server_rollouts(cfg, output_dir, settings, harness, policy)
     return AsyncRollouts(ProducerBuild(OmegaConf.to_yaml(cfg, resolve=True)), settings, cfg.env.max_turns)
 
@@ -275,13 +111,13 @@ def build(cfg: DictConfig, output_dir: Path) -> tuple[L.LightningModule, L.Light
     m, a = cfg.model, cfg.algo
     spec = get_algorithm(a.module)
     tokenizer = tokenizer_from(m, cfg.env)
-    harness, train_rows, eval_rows = harness_from(cfg, tokenizer, spec)
+    harness, train_rows, eval_rows = harness_from(cfg, tokenizer, online=spec.data == "online")
     model = model_from(m)
     resolve_algo(
         a
     )  # as validate() did: the loss and advantage nodes, clip bounds left at auto the loss's own
     hp = OmegaConf.to_object(a)
-    policy = policy_from(model, m, a, spec, hp)
+    policy = policy_from(model, m, a, need_reference=spec.needs_reference(hp), with_critic=spec.needs_critic)
     # async: the producer holds the run's engine; the trainer evaluates (and refills) with HF generate
     engine = build_engine(cfg, policy, tokenizer, "hf" if cfg.rollout.mode == "async" else None, output_dir)
     evals = {
