@@ -141,19 +141,23 @@ def fit_recording(cfg: DictConfig, tmp_path: Path, steps: int):
 # Under `make test` (pytest -n 2 --dist loadfile) each module runs on one worker, modules handed
 # out in collection order: the longest start first, so that neither worker is left alone with a
 # long module at the end (the rest keep their order).
-LONGEST_FIRST = (
+LONGEST_FIRST = (  # by their time in a full run on 2026-12-03, longest first
     "tests/test_strategies.py",
     "tests/algorithms/test_async.py",
-    "tests/test_resume.py",
     "tests/rollout/test_vllm_async.py",
-    "tests/algorithms/test_distributed.py",
     "tests/rollout/test_vllm_server_faults.py",
-    "tests/test_results_and_sweeps.py",
-    "tests/test_train.py",
+    "tests/test_resume.py",
+    "tests/algorithms/test_distributed.py",
     "tests/rollout/test_vllm.py",
-    "tests/test_export.py",
-    "tests/rollout/test_vllm_server.py",
     "tests/algorithms/test_offline.py",
+    "tests/test_export.py",
+    "tests/test_config.py",
+    "tests/rollout/test_vllm_server.py",
+    "tests/algorithms/test_eval_ranks.py",
+    "tests/population/test_side_by_side.py",
+    "tests/test_bench.py",
+    "tests/test_train.py",
+    "tests/test_results_and_sweeps.py",
 )
 
 

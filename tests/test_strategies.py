@@ -72,9 +72,9 @@ def metric_rows(run_dir: Path) -> list[dict[str, str]]:
 def test_ddp_cli_run_with_micro_batches_completes(tmp_path):
     # This command hung for 15 minutes before the update loop was rank-safe.
     out = tmp_path / "run"
-    log = train(tmp_path, *DDP, "algo.micro_batch_size=2", "trainer.max_steps=5", f"output_dir={out}")
+    log = train(tmp_path, *DDP, "algo.micro_batch_size=2", "trainer.max_steps=3", f"output_dir={out}")
     rows = [r for r in metric_rows(out) if r.get("rollout/reward_mean")]
-    assert [r["step"] for r in rows] == ["1", "2", "3", "4", "5"]  # logged once, by rank 0
+    assert [r["step"] for r in rows] == ["1", "2", "3"]  # logged once, by rank 0
     assert log.count("run finished") == 1
     assert "Initializing distributed: GLOBAL_RANK: 1" in log
 
@@ -96,7 +96,8 @@ POPULATION = ["population.size=2", "population.evolve_every=1", "population.eval
     "population.resample_prob=0", "population.mutate_initial=true", "population.no_mutation_prob=0", "trainer.max_steps=4"]  # fmt: skip
 RUNS = {  # name -> overrides (output_dir: <runs>/<name>); run in this order
     **{
-        f"{a}_{s}": [*(DDP if s == "ddp" else FSDP), *o, "algo.prompts_per_step=8", "trainer.max_steps=5"]
+        # 3 steps: PPO's critic warms up for 2, its actor's first update is step 3
+        f"{a}_{s}": [*(DDP if s == "ddp" else FSDP), *o, "algo.prompts_per_step=8", "trainer.max_steps=3"]
         for a, o in ALGOS.items()
         for s in ("ddp", "fsdp")
     },
@@ -142,7 +143,7 @@ def runs(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_dynamic_sampling_and_critic_warmup_under_ddp(runs, algo, strategy):
     steps = [r["step"] for r in metric_rows(runs / f"{algo}_{strategy}") if r.get("rollout/reward_mean")]
-    assert steps == ["1", "2", "3", "4", "5"]
+    assert steps == ["1", "2", "3"]
 
 
 @pytest.mark.slow
