@@ -17,9 +17,12 @@ rank 1 as a fresh ``python train.py`` (``sys.argv[0]`` is the script's absolute 
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,6 +31,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from rlhf_lightning.runtime.channel import write_atomic
 
 ZYGOTE_MARK = "cli_zygote"  # in the zygote's command line: the leftover-children checks skip it
 PRELOAD = (
@@ -99,25 +104,12 @@ def _finalize() -> None:
     """What the interpreter does at a normal exit before it stops: wait for the non-daemon
     threads, run the atexit functions (multiprocessing's ends its daemonic children, loggers
     flush), flush the streams."""
-    import atexit
-    import threading as th
-
-    shutdown = getattr(th, "_shutdown", None)
+    shutdown = getattr(threading, "_shutdown", None)
     if shutdown is not None:
         shutdown()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
-
-
-def _status(raw: int) -> int:
-    return -os.WTERMSIG(raw) if os.WIFSIGNALED(raw) else os.WEXITSTATUS(raw)
-
-
-def _write_rc(path: str, rc: int) -> None:
-    tmp = f"{path}.tmp"
-    Path(tmp).write_text(str(rc))
-    os.replace(tmp, path)
 
 
 def zygote_main() -> None:
@@ -151,8 +143,10 @@ def zygote_main() -> None:
                 break
             if pid == 0:
                 break
-            if pid in pending:
-                _write_rc(pending.pop(pid), _status(raw))
+            if pid in pending:  # Popen.returncode's convention: negative for a signal
+                rc = str(os.waitstatus_to_exitcode(raw)).encode()
+                with contextlib.suppress(OSError):  # the test process has gone and removed the logs
+                    write_atomic(Path(pending.pop(pid)), rc)
 
 
 # ---------------------------------------------------------------- the test side
@@ -169,6 +163,8 @@ class _Zygote:
         )
         assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "ready"
         self.lock = threading.Lock()
+        self.logs = Path(tempfile.mkdtemp(prefix="cli-zygote-"))  # every run's output, removed at exit
+        atexit.register(shutil.rmtree, self.logs, True)
 
     def fork(self, argv: list[str], cwd: Path, env: dict[str, str], out: Path, err: Path | None) -> int:
         req = {"argv": argv, "cwd": str(cwd), "env": env, "out": str(out), "err": str(err) if err else None}
@@ -192,15 +188,16 @@ def zygote() -> _Zygote:
 class ZygotePopen:
     """``subprocess.Popen(argv, cwd=..., env=..., stdout=PIPE, stderr=STDOUT (or PIPE with
     ``merged=False``), text=True, start_new_session=True)`` for ``argv = [python, script, *args]``,
-    forked from the zygote; the output goes to files of a private temporary directory."""
+    forked from the zygote; the output goes to files in the zygote's temporary directory."""
 
     def __init__(self, argv: list[str], *, cwd: Path, env: dict[str, str], merged: bool = True) -> None:
-        logs = Path(tempfile.mkdtemp(prefix="cli-zygote-"))
+        forker = zygote()
+        logs = Path(tempfile.mkdtemp(dir=forker.logs))
         self.out = logs / "stdout"
         self.err = None if merged else logs / "stderr"
         self.rc_file = Path(f"{self.out}.rc")
         script = str(Path(argv[1]).resolve())
-        self.pid = zygote().fork([script, *argv[2:]], Path(cwd), env, self.out, self.err)
+        self.pid = forker.fork([script, *argv[2:]], Path(cwd), env, self.out, self.err)
         self.returncode: int | None = None
         self.stdout = _Output(self.out)
 

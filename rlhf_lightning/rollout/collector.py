@@ -6,8 +6,8 @@ engine, with the current weights. Asynchronous: they come from the producer proc
 from the inference servers (:class:`~rlhf_lightning.rollout.server_async.ServerRollouts`),
 generated ahead with the versions its staleness bound allows, for the rows of the train loader's
 plan, which the collector hands them at the start of a fit; after each update the collector
-publishes the new weights and the next batch is requested. The collector counts the steps done (the policy version) and
-checkpoints what a resume needs.
+publishes the new weights and the next batch is requested. The collector counts the steps done
+(the policy version) and checkpoints what a resume needs.
 """
 
 from __future__ import annotations
