@@ -94,6 +94,36 @@ def unpacked_action_rows(
     return hidden[acts]
 
 
+def flat_action_rows(
+    body: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    action_mask: torch.Tensor,
+) -> torch.Tensor:
+    """The body's final hidden states at the action positions of a packed batch, every real token
+    in one flat row (for flash attention's variable-length path, which transformers takes from the
+    positions only when the batch is a single row). Row-major, as ``hidden[:, :-1][action_mask]``.
+
+    Args:
+        body: the transformer body (``get_decoder()`` of a CausalLM) under flash attention.
+        input_ids, attention_mask, position_ids: the packed rows, right-padded. Shape: (B, L)
+        action_mask: True where token t+1 is an action. Shape: (B, L-1)
+
+    Returns:
+        Shape: (N, H), N = ``action_mask.sum()``
+    """
+    real = attention_mask.bool()
+    flat_ids = input_ids[real][None]  # (1, R), R real tokens
+    flat_pos = position_ids[real][None]  # (1, R): 0 at every sequence's first token
+    hidden = body(input_ids=flat_ids, position_ids=flat_pos, use_cache=False).last_hidden_state[0]  # (R, H)
+    at = (
+        real.flatten().long().cumsum(0).view(real.shape) - 1
+    )  # (B, L): each real token's place in the flat row
+    b, t = action_mask.nonzero(as_tuple=True)
+    return hidden[at[b, t]]  # the predicting token (b, t) of an action is a real token
+
+
 def common_prefix(ids: torch.Tensor, mask: torch.Tensor, acts: torch.Tensor) -> int:
     """How many leading tokens every sequence shares, up to each one's first action: the part
     :func:`~rlhf_lightning.models.prompt_sharing.shared_prefix_hidden` can run once (0 when it

@@ -13,7 +13,7 @@ from peft import PeftModel
 from torch import nn
 
 from rlhf_lightning.models.adapters import adapter_state, copy_adapter, save_adapters
-from rlhf_lightning.models.packing import unpacked_action_rows, uses_flash_attention
+from rlhf_lightning.models.packing import flat_action_rows, unpacked_action_rows, uses_flash_attention
 from rlhf_lightning.models.prompt_sharing import (
     cache_kwarg,
     has_shared_prompts,
@@ -223,18 +223,18 @@ class Policy(nn.Module):
             if shared is not None:
                 rows = shared_prefix_hidden(body, input_ids, attention_mask, action_mask, *shared)
             else:
-                if position_ids is not None and not uses_flash_attention(lm):
-                    # each packed sequence on its own (no dense (L, L) mask per row)
+                if position_ids is not None:
+                    # each packed sequence on its own: flattened to one row under flash attention,
+                    # cut into a batch of sequences otherwise (no dense (L, L) mask per row)
+                    if uses_flash_attention(lm):
+                        flat = flat_action_rows(body, input_ids, attention_mask, position_ids, action_mask)
+                        return flat, lm.get_output_embeddings()
                     return unpacked_action_rows(
                         body, input_ids, attention_mask, position_ids, action_mask, self.share_prompt
                     ), lm.get_output_embeddings()
-                # packed rows under flash attention: the positions keep the sequences apart
-                mask = (
-                    {"attention_mask": attention_mask}
-                    if position_ids is None
-                    else {"position_ids": position_ids}
-                )
-                hidden = body(input_ids=input_ids, use_cache=False, **mask).last_hidden_state  # (B, L, H)
+                hidden = body(
+                    input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+                ).last_hidden_state  # (B, L, H)
                 rows = hidden[:, :-1][action_mask]  # (N, H)
             return rows, lm.get_output_embeddings()
 
