@@ -18,16 +18,24 @@ from rlhf_lightning.algorithms.common import ModuleMixin
 from rlhf_lightning.data.prompts import PAD_ROW
 from rlhf_lightning.models.sharding import gathered
 from rlhf_lightning.rollout.engine import SamplingParams
-from rlhf_lightning.rollout.harness import RolloutResult, reward_value
+from rlhf_lightning.rollout.harness import SUCCESS_KEYS, RolloutResult, reward_value, success_flag
 from rlhf_lightning.runtime import rng
 
 
 def episode_success(traj: Any) -> float:
-    """Solved when the last turn's info says so (``correct``/``success``/``solved``), else return > 0."""
+    """Solved when the last turn's info says so (``correct``/``success``/``solved``: a bool, or
+    exactly 0/1), else when the return is > 0. Any other value of a success field (the string
+    ``"False"``, NaN) is refused with a ``TypeError``: ``bool()`` would count it as solved."""
     last = traj.infos[-1] if traj.infos else {}
-    for key in ("correct", "success", "solved"):
+    for key in SUCCESS_KEYS:
         if key in last:
-            return float(bool(last[key]))
+            flag = success_flag(last[key])
+            if flag is None:
+                raise TypeError(
+                    f"an episode's last info[{key!r}]={last[key]!r}: a success field must be a bool (or 0/1); "
+                    f"the env must return e.g. info[{key!r}] = bool(solved)"
+                )
+            return float(flag)
     return float(sum(traj.rewards) > 0)
 
 

@@ -23,6 +23,27 @@ PROBE_REASONING = "<think>probe reasoning</think>"
 # The probe's reply, whose end locates what the template writes after an assistant turn: a
 # string no template writes itself (a plain letter could be part of the closing text).
 REPLY_SENTINEL = "\u27e6rlhf_lightning:end-of-reply\u27e7"
+# The roles an observation's chat messages may take (``Message``: {"role": ..., "content": str}).
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def observation_problem(observation: Any) -> str | None:
+    """What is wrong with an env's observation (a string, or a list of chat messages, each a dict
+    with a role of :data:`ROLES` and a string ``content``), or None. A bad message would otherwise
+    fail inside the chat template's Jinja, with no env named."""
+    if isinstance(observation, str):
+        return None
+    if not isinstance(observation, list):
+        return f"observation of type {type(observation).__name__}; expected str or list of messages"
+    for i, message in enumerate(observation):
+        if not isinstance(message, dict):
+            return f"message {i} of type {type(message).__name__}; expected a dict {{'role': ..., 'content': str}}"
+        role = message.get("role")
+        if role not in ROLES:
+            return f"message {i} with role={role!r}; expected one of {', '.join(ROLES)}"
+        if not isinstance(message.get("content"), str):
+            return f"message {i} ({role}) with content={message.get('content')!r}; expected a string"
+    return None
 
 
 class ChatFormatter:

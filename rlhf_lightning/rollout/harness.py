@@ -18,20 +18,72 @@ from transformers import PreTrainedTokenizerBase
 
 from rlhf_lightning.envs.base import Observation, TextEnv
 from rlhf_lightning.rewards import CombinedReward, reward_value
-from rlhf_lightning.rollout.chat import ChatFormatter, latest_view
+from rlhf_lightning.rollout.chat import ChatFormatter, latest_view, observation_problem
 from rlhf_lightning.rollout.engine import AdapterSampler, Completion, Sampler, SamplingParams
 from rlhf_lightning.rollout.stepping import EnvStepper, StepOutcome, StepTimeout, check_step_output
 from rlhf_lightning.rollout.trajectory import Trajectory, TrajectoryBatch, collate
 
-__all__ = ["ChatFormatter", "RolloutHarness", "RolloutResult", "latest_view", "reward_value"]
+__all__ = [
+    "SUCCESS_KEYS",
+    "ChatFormatter",
+    "RolloutHarness",
+    "RolloutResult",
+    "latest_view",
+    "reward_value",
+    "success_flag",
+]
 
 HISTORY = ("full", "last", "last_k")  # env.history
+# The info keys whose value on an episode's last turn says it was solved: held-out accuracy
+# (eval/accuracy_*) and a population's fitness count them.
+SUCCESS_KEYS = ("correct", "success", "solved")
 
 log = logging.getLogger(__name__)
 
 # One reset episode: its env, its observation's key (the text, or the messages as JSON), the
 # observation and the reset's info.
 _Reset = tuple[TextEnv, str, Observation, dict[str, Any]]
+
+
+def success_flag(value: Any) -> bool | None:
+    """A success field's value (``info["correct"]`` etc.) as a bool: a bool (Python's, NumPy's or
+    a one-element tensor's), or a number exactly 0 or 1; None for anything else (the string
+    ``"False"``, NaN, 2, None), which must not count as solved or unsolved."""
+    if not isinstance(value, (bool, int, float)) and getattr(value, "ndim", None) == 0:
+        value = value.item()  # a NumPy scalar or 0-d array/tensor (an env's info: on the host)
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    return None
+
+
+def check_success_fields(env: Any, info: dict[str, Any], method: str = "step") -> None:
+    """Refuse (``TypeError`` naming the env class, the field and its value) a success field that
+    is not a bool or exactly 0/1: ``bool("False")`` is True, so a string would count as solved."""
+    for key in SUCCESS_KEYS:
+        if key in info and success_flag(info[key]) is None:
+            raise TypeError(
+                f"{type(env).__name__}.{method} returned info[{key!r}]={info[key]!r}; a success field "
+                f"({', '.join(SUCCESS_KEYS)}: what eval/accuracy_* and population fitness count) must be "
+                f"a bool (or 0/1): return e.g. info[{key!r}] = bool(solved)"
+            )
+
+
+def check_reset_output(env: Any, out: Any) -> tuple[Observation, dict[str, Any]]:
+    """``env.reset``'s return value, checked: (observation, info) with a string or well-formed
+    chat messages, and a dict (or None) of info; a ``TypeError`` names the env class and what is
+    wrong (an int would otherwise fail as "'int' object is not iterable" in the harness)."""
+    name = f"{type(env).__name__}.reset"
+    if not isinstance(out, tuple) or len(out) != 2:
+        raise TypeError(f"{name} must return (observation, info), got {out!r}")
+    obs, info = out
+    problem = observation_problem(obs)
+    if problem is not None:
+        raise TypeError(f"{name} returned {problem}")
+    if info is not None and not isinstance(info, dict):
+        raise TypeError(f"{name} returned info of type {type(info).__name__}; expected a dict")
+    return obs, info or {}
 
 
 @dataclass
@@ -167,11 +219,11 @@ class RolloutHarness:
             reset.append([])
             for _ in range(group_size):
                 env = self.env_factory()
-                obs, info = env.reset(seed=row, row_index=row, evaluation=evaluation)
+                obs, info = check_reset_output(env, env.reset(seed=row, row_index=row, evaluation=evaluation))
                 key = obs if isinstance(obs, str) else json.dumps(obs)
                 if key not in rendered:
                     rendered[key] = self.formatter.prompt_text(obs)
-                reset[-1].append((env, key, obs, info if isinstance(info, dict) else {}))
+                reset[-1].append((env, key, obs, info))
         return reset, rendered
 
     def _start_episodes(
@@ -323,6 +375,7 @@ class RolloutHarness:
         else:
             out = outcome.output
         obs, reward, terminated, truncated, info = check_step_output(env, out)
+        check_success_fields(env, info)
         traj.rewards.append(reward)
         traj.infos.append(info)
         # A reply cut at max_new_tokens ends the episode (no well-formed next turn can follow).
@@ -333,6 +386,9 @@ class RolloutHarness:
         traj.truncated = traj.truncated or (not terminated and (truncated or cut))
         if terminated or truncated or cut:
             return False, failed
+        problem = observation_problem(obs)  # the next turn's prompt: rendered by the chat template
+        if problem is not None:
+            raise TypeError(f"{type(env).__name__}.step returned {problem}")
         ids, fresh = self._next_prompt(traj, comp, obs, pieces if pieces is not None else [])
         held = len(ids) if fresh else len(traj.token_ids) - traj.segment_starts[-1] + len(ids)
         if held + max_new_tokens > self.max_model_len:
