@@ -113,3 +113,13 @@ def kill_and_reap(proc: subprocess.Popen[Any] | Any, timeout_s: float = 5.0) -> 
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
     proc.join(timeout_s)
+
+
+def kill_group_and_reap(proc: subprocess.Popen[Any], timeout_s: float = 5.0) -> None:
+    """SIGKILL the process group that ``proc`` leads (started with ``start_new_session=True``):
+    ``proc`` and every process it started that stayed in its group, then reap ``proc``. The group
+    is signalled even when ``proc`` has already exited (its children may live on: Linux reuses
+    no pid while a group of that id has a member); a group that is gone is skipped."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    kill_and_reap(proc, timeout_s)

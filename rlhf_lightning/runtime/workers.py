@@ -5,13 +5,16 @@ cannot be stopped).
 
 A :class:`WorkerPool` runs ``fn(*args, **kwargs)`` in one of ``size`` worker processes and
 returns an :class:`Outcome` (the value, or the exception it raised, or :class:`CallTimeout`).
+Each worker leads its own process group (session), and a stopped worker is killed with its whole
+group: the processes a step or a tool started (a ``sleep``, a compiler) end with it.
+
 ``fn`` and its arguments travel pickled, so they must be picklable: module-level functions and
 classes (pickled by name; the worker imports their module, with the parent's ``sys.path``).
 The time limit counts from the moment the worker has the call unpacked (importing the
 function's module the first time does not count), and a worker that dies during a call gives
 :class:`WorkerDied` at once, never a hang (:mod:`rlhf_lightning.runtime.channel`). Workers die
-with their parent (:func:`~rlhf_lightning.runtime.children.die_with_parent`) and ignore Ctrl-C
-(the parent stops them).
+with their parent (:func:`~rlhf_lightning.runtime.children.die_with_parent`); they sit outside the
+terminal's process group and ignore SIGINT, so Ctrl-C reaches the parent only (which stops them).
 
 A worker runs its calls in its main thread, so code that runs inside one (:func:`in_worker`)
 can bound a nested call with a signal timer instead of another process (:func:`call_inline`).
@@ -36,7 +39,7 @@ from rlhf_lightning.runtime.channel import ChannelClosed, ChannelTimeout, Reader
 from rlhf_lightning.runtime.children import (
     describe_exit,
     die_with_parent,
-    kill_and_reap,
+    kill_group_and_reap,
     parent_alive,
     popen,
     watch_parent,
@@ -53,6 +56,11 @@ class CallTimeout(TimeoutError):
 
 class WorkerDied(RuntimeError):
     """The worker process ended during a call (killed, or crashed in native code)."""
+
+
+class StartTimeout(RuntimeError):
+    """A worker did not take up a call within :data:`START_TIMEOUT_S` (its start, the pickled
+    call's transfer and the first import of the function's module): not the call's own limit."""
 
 
 @dataclass
@@ -95,6 +103,7 @@ class _Worker:
                 pass_fds=(req_r, rep_w),
                 stdin=subprocess.DEVNULL,
                 env=env,
+                start_new_session=True,  # its own process group: killed with whatever it starts
             )
         finally:
             os.close(req_r)  # the child's ends: with them closed here, a dead child is an EOF
@@ -104,13 +113,18 @@ class _Worker:
 
     def call(self, payload: bytes, timeout_s: float | None) -> tuple[Outcome, bool]:
         """Run one pickled call; returns (its outcome, whether this worker can take another)."""
+        start_s = START_TIMEOUT_S
         try:
-            self.requests.send_bytes(payload, START_TIMEOUT_S)
-            first = self.replies.recv(START_TIMEOUT_S)
+            try:
+                self.requests.send_bytes(payload, start_s)
+                first = self.replies.recv(start_s)
+            except ChannelTimeout:
+                return Outcome(error=StartTimeout(_start_timeout_message(start_s))), False
             if first[0] == "started":
-                first = self.replies.recv(timeout_s)
-        except ChannelTimeout:
-            return Outcome(error=CallTimeout(f"did not return within {timeout_s:g} s")), False
+                try:
+                    first = self.replies.recv(timeout_s)
+                except ChannelTimeout:
+                    return Outcome(error=CallTimeout(f"did not return within {timeout_s:g} s")), False
         except ChannelClosed:
             self.proc.wait()
             return Outcome(
@@ -120,9 +134,18 @@ class _Worker:
         return (Outcome(output=value) if kind == "ok" else Outcome(error=value)), True
 
     def stop(self) -> None:
-        kill_and_reap(self.proc)
+        """Kill the worker and every process it started (its process group), and reap it."""
+        kill_group_and_reap(self.proc)
         self.requests.close()
         self.replies.close()
+
+
+def _start_timeout_message(start_s: float) -> str:
+    return (
+        f"the worker process did not start the call within {start_s:g} s (its start and its first "
+        "import of the function's module must fit in START_TIMEOUT_S); it was killed. A module "
+        "that is slow to import (a large model loaded at import time) should load lazily"
+    )
 
 
 class WorkerPool:
@@ -148,7 +171,8 @@ class WorkerPool:
         timeout_s: float | None = None,
     ) -> Outcome:
         """``fn(*args, **kwargs)`` in a worker: its value or its exception, or :class:`CallTimeout`
-        after ``timeout_s`` (None: no limit), or :class:`WorkerDied`."""
+        after ``timeout_s`` (None: no limit), or :class:`WorkerDied`, or :class:`StartTimeout`
+        when the worker did not take up the call (not counted in :attr:`timeouts`)."""
         try:
             payload = pickle.dumps((fn, args, kwargs or {}), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as err:
@@ -322,7 +346,7 @@ def main(argv: list[str]) -> None:
     setup = requests.recv(START_TIMEOUT_S)
     die_with_parent(setup["parent"])
     watch_parent(setup["parent"])
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a SIGINT sent to it anyway: the parent decides
     sys.path[:] = setup["sys_path"]
     with contextlib.suppress(OSError):
         os.chdir(setup["cwd"])
