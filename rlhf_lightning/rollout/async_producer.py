@@ -35,7 +35,8 @@ import sys
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,7 @@ from safetensors.torch import load_file
 
 from rlhf_lightning.rollout.engine import Completion, SamplingParams
 from rlhf_lightning.rollout.harness import RolloutResult
+from rlhf_lightning.rollout.kv_reuse import TurnCache
 from rlhf_lightning.runtime import rng
 from rlhf_lightning.runtime.channel import (
     ChannelClosed,
@@ -157,12 +159,31 @@ class VersionedSampler:
     ) -> None:
         self.engine, self.load, self.choose, self.seed, self.started = engine, load, choose, seed, started
         self.used: list[int] = []
+        self.turns: TurnCache | None = None  # the engine's, inside turn_session()
+
+    @contextmanager
+    def turn_session(self) -> Iterator[TurnCache | None]:
+        """The engine's own turn session where it has one (the harness opens it for
+        ``env.history=full``): a turn runs on the KV cache of the turn before, as in a synchronous
+        rollout, so lockstep (``max_staleness=0``) samples bitwise what the sync run does."""
+        session = getattr(self.engine, "turn_session", None)
+        if not callable(session):
+            yield None
+            return
+        with session() as turns:
+            self.turns = turns
+            try:
+                yield turns
+            finally:
+                self.turns = None
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
         call = len(self.used)
         version = self.choose(call)
         if self.started is not None:
             self.started(call, version)
+        if self.turns is not None and self.used and version != self.used[-1]:
+            self.turns.forget()  # the cache holds the older version's keys and values
         self.load(version)
         if self.seed is not None:
             params = replace(params, seed=call_seed(self.seed, call))

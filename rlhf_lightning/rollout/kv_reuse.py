@@ -48,6 +48,10 @@ class TurnCache:
         self.reused_calls = 0  # calls that ran only their new tokens
         self.prefilled_tokens = 0  # tokens run before sampling, over every call (the engine counts)
 
+    def forget(self) -> None:
+        """Drop the last call's cache: the next call runs from scratch (the weights changed)."""
+        self.last = None
+
     def plan(
         self, rows: list[list[int]], adapters: list[str] | None, pad_token_id: int
     ) -> tuple[torch.Tensor, torch.Tensor, Any, int] | None:
