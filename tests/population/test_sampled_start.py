@@ -10,6 +10,7 @@ import pytest
 
 from rlhf_lightning.config.errors import ConfigError
 from rlhf_lightning.population.evolution import MutationRange, sample_prior
+from rlhf_lightning.population.generations import Generations
 from rlhf_lightning.population.side_by_side import SideBySidePopulation
 from rlhf_lightning.run import run
 from rlhf_lightning.run.validation import validate
@@ -33,7 +34,15 @@ RUN = [
 
 
 @pytest.mark.slow
-def test_members_start_from_the_prior_and_truncation_keeps_the_fitter(tmp_path):
+def test_members_start_from_the_prior_and_truncation_keeps_the_fitter(tmp_path, monkeypatch):
+    scored: list[tuple[list[float], list[int]]] = []  # per evolution: fitness and member id by slot
+    assign = Generations.assign_fitness
+
+    def spy(self, fitness):
+        scored.append((list(fitness), [m.id for m in self.members]))
+        return assign(self, fitness)
+
+    monkeypatch.setattr(Generations, "assign_fitness", spy)
     out = tmp_path / "run"
     result = run(compose_config(RUN, output_dir=out))
     pop = next(c for c in result.trainer.callbacks if isinstance(c, SideBySidePopulation))
@@ -53,6 +62,23 @@ def test_members_start_from_the_prior_and_truncation_keeps_the_fitter(tmp_path):
     events = [r["event"] for r in lineage if r["event"] != "init"]
     assert sorted(events) == ["clone", "clone", "kept", "kept"]
     assert pop.steps == 2
+    assert_truncation_kept_the_fitter(lineage, scored)
+
+
+def assert_truncation_kept_the_fitter(lineage: list[dict[str, str]], scored: list) -> None:
+    """Each evolution (two members, one replaced) kept the member of the highest fitness (ties:
+    the lower slot) and replaced the other with a clone of it: judged from the fitness scored
+    before selection, not from what the lineage says of itself."""
+    steps = sorted({int(r["step"]) for r in lineage if r["event"] != "init"})
+    assert len(steps) == len(scored) == 2
+    for step, (fitness, ids) in zip(steps, scored):
+        rows_ = {r["event"]: r for r in lineage if int(r["step"]) == step}
+        kept, clone = rows_["kept"], rows_["clone"]
+        best = max(range(len(fitness)), key=lambda i: (fitness[i], -i))
+        assert int(kept["slot"]) == best and int(kept["id"]) == ids[best], (step, fitness, kept)
+        assert int(clone["slot"]) != best and int(clone["parent"]) == ids[best], (step, fitness, clone)
+        assert float(kept["parent_fitness"]) == float(clone["parent_fitness"]) == max(fitness)
+    assert any(len(set(fitness)) > 1 for fitness, _ in scored), scored  # some evolution had a fitter member
 
 
 def test_bad_population_settings_are_refused_with_the_fix(tmp_path):
