@@ -32,6 +32,8 @@ from rlhf_lightning.losses.advantages import postprocess_advantages
 from rlhf_lightning.rollout.trajectory import TrajectoryBatch
 from rlhf_lightning.runtime.distributed import clip_by_norm, gather_rows, grad_norm
 
+LEGACY_LEARN_STEPS = "ppo_learn_steps"  # the warm-up counter's key in checkpoints before the Learner
+
 
 def warming_up(member: Member) -> bool:
     """Whether ``member`` is in its critic warm-up (its first ``critic_warmup_steps`` steps)."""
@@ -211,6 +213,16 @@ class PPOModule(RolloutModule):
 
     hp: PPOConfig
     family = PPOFamily
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Also a checkpoint from before the Learner redesign: it has no ``member_states`` and
+        kept the critic warm-up counter as ``ppo_learn_steps``, the module's one count of training
+        steps, which every member learning then shared (a round-robin resident's own counters
+        come from the population's state). Read as the guard reads that era's flat record."""
+        super().on_load_checkpoint(checkpoint)
+        if "member_states" not in checkpoint and LEGACY_LEARN_STEPS in checkpoint:
+            for member in self.schedule.members:
+                member.state["learn_steps"] = int(checkpoint[LEGACY_LEARN_STEPS])
 
 
 register_algorithm(
