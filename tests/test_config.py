@@ -46,8 +46,18 @@ def test_every_yaml_composes_and_resolves(group, option, tiny_path):
     assert container["algo"]["name"] and container["model"]["path"]
     if group == "model" and option.startswith("qwen"):
         assert container["model"]["path"].startswith("Qwen/")
-    if group not in ("model", "experiment"):  # Hub models are validated when reachable
+    unusable = group == "strategy" and option.startswith("deepspeed_") and not deepspeed_usable()
+    if unusable:  # composes anywhere; refused at start-up without CUDA or deepspeed
+        with pytest.raises(ConfigError, match=r"DeepSpeed needs CUDA|pip install 'deepspeed"):
+            validate(cfg)
+    elif group not in ("model", "experiment"):  # Hub models are validated when reachable
         validate(cfg)
+
+
+def deepspeed_usable() -> bool:
+    from rlhf_lightning.runtime.deepspeed import deepspeed_missing
+
+    return torch.cuda.is_available() and deepspeed_missing() is None
 
 
 def test_default_model_is_the_embedded_checkpoint(tiny_path):

@@ -206,14 +206,15 @@ class RewardConfig:
 
 @dataclass
 class StrategyConfig:
-    """Lightning's distribution strategy (``strategy=auto|ddp|fsdp``).
+    """Lightning's distribution strategy (``strategy=auto|ddp|fsdp|deepspeed_zero2|deepspeed_zero3``).
 
     Batch sizes in ``algo`` are global: they are split across ``trainer.devices x num_nodes``.
     """
 
-    name: str = "auto"  # auto | ddp | fsdp
+    name: str = "auto"  # auto | ddp | fsdp | deepspeed_zero2 | deepspeed_zero3
     process_group_backend: str | None = None  # None: nccl on GPUs, gloo on CPUs
     timeout_s: int = 1800  # collective timeout: a rank that never joins fails the run instead of hanging
+    offload_optimizer: bool = False  # deepspeed_*: optimizer states and step on the CPU (ZeRO-Offload)
 
 
 @dataclass

@@ -211,7 +211,7 @@ def _fit(
     single_job_argv(output_dir)  # a multirun job's other ranks run this job only
     trainer = L.Trainer(
         **trainer_kwargs,
-        strategy=build_strategy(cfg.strategy),
+        strategy=build_strategy(cfg.strategy, cfg.algo.get("grad_clip")),
         plugins=[AtomicCheckpointIO()],
         logger=loggers,
         callbacks=cbs.all,

@@ -17,6 +17,7 @@ from rlhf_lightning.config.errors import ConfigError, check
 from rlhf_lightning.losses import POLICY_LOSSES
 from rlhf_lightning.models.kernels import QUANT_TYPES, gpu_model_problem
 from rlhf_lightning.rollout.stepping import STEP_WORKERS
+from rlhf_lightning.run.deepspeed_checks import validate_deepspeed
 from rlhf_lightning.runtime.strategies import STRATEGIES, split_global
 
 
@@ -58,12 +59,12 @@ def validate_strategy(cfg: DictConfig) -> None:
         s.name in STRATEGIES,
         "strategy.name",
         s.name,
-        f"one of {', '.join(STRATEGIES)} (DeepSpeed ZeRO is not wired: it needs CUDA and has not been "
-        "tested here; strategy=fsdp shards parameters, gradients and optimizer state like ZeRO-3)",
+        f"one of {', '.join(STRATEGIES)}",
     )
     check(s.timeout_s > 0, "strategy.timeout_s", s.timeout_s, "> 0 seconds")
     if s.name == "fsdp":
         validate_fsdp(cfg)
+    validate_deepspeed(cfg)  # strategy=deepspeed_*: CUDA, the library, what it cannot do
     devices = cfg.trainer.devices
     if not isinstance(devices, int) or devices < 2:
         return  # "auto" or one device: checked again once the trainer knows the world size

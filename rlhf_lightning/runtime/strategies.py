@@ -4,6 +4,9 @@
     ddp    data parallel, one process per device (gloo on CPUs, nccl on GPUs)
     fsdp   FSDP2 (``fully_shard``) through Lightning's ModelParallelStrategy: the frozen base and
            the LoRA adapters of every decoder layer sharded over all processes
+    deepspeed_zero2, deepspeed_zero3
+           Lightning's DeepSpeedStrategy, ZeRO stage 2 or 3, one CUDA process
+           (:mod:`rlhf_lightning.runtime.deepspeed`)
 
 The algorithm config does not change with the strategy: batch sizes are global.
 """
@@ -20,10 +23,11 @@ from pathlib import Path
 from typing import Any, cast
 
 from rlhf_lightning.config.errors import ConfigError
+from rlhf_lightning.runtime.deepspeed import ZERO_STAGES, deepspeed_strategy
 
 log = logging.getLogger(__name__)
 
-STRATEGIES = ("auto", "ddp", "fsdp")
+STRATEGIES = ("auto", "ddp", "fsdp", "deepspeed_zero2", "deepspeed_zero3")
 
 
 def split_global(size: int, world_size: int, field: str) -> int:
@@ -35,8 +39,9 @@ def split_global(size: int, world_size: int, field: str) -> int:
     return size // world_size
 
 
-def build_strategy(s: Any) -> Any:
-    """The ``Trainer(strategy=...)`` argument for the ``strategy`` config node."""
+def build_strategy(s: Any, grad_clip: float | None = None) -> Any:
+    """The ``Trainer(strategy=...)`` argument for the ``strategy`` config node. ``grad_clip``:
+    ``algo.grad_clip``, which DeepSpeed applies itself (Lightning's clipping is a no-op there)."""
     timeout = timedelta(seconds=s.timeout_s)
     if s.name == "auto":
         return "auto"
@@ -46,6 +51,8 @@ def build_strategy(s: Any) -> Any:
         return DDPStrategy(process_group_backend=s.process_group_backend, timeout=timeout)
     if s.name == "fsdp":
         return fsdp2_strategy(s.process_group_backend, timeout)
+    if s.name in ZERO_STAGES:
+        return deepspeed_strategy(s.name, grad_clip, s.offload_optimizer, s.process_group_backend, timeout)
     raise ValueError(f"strategy.name must be one of {', '.join(STRATEGIES)}, got {s.name!r}")
 
 

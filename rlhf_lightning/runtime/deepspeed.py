@@ -1,0 +1,164 @@
+"""``strategy=deepspeed_zero2|deepspeed_zero3``: Lightning's DeepSpeedStrategy around the
+project's own optimizer (one AdamW, manual optimization, LoRA adapters).
+
+    deepspeed_zero2   optimizer state and gradients partitioned (ZeRO-2)
+    deepspeed_zero3   the frozen base's parameters partitioned too (ZeRO-3); the weights the
+                      policy reads outside a module's forward (the lm head, the chunked log-prob
+                      op never builds full logits) and the trainable ones stay gathered
+
+What the run keeps doing itself, and what DeepSpeed does instead:
+    - gradient accumulation: the learner runs any number of backward passes per optimizer step,
+      so DeepSpeed's own accumulation is off (``managed_gradient_accumulation: false``, every
+      ``engine.step()`` is the boundary);
+    - gradient clipping: DeepSpeed clips by the global norm (``gradient_clipping`` =
+      ``algo.grad_clip``); Lightning's ``clip_gradients`` is a no-op under DeepSpeed;
+    - ``strategy.offload_optimizer=true``: the optimizer states and step on the CPU (ZeRO-Offload).
+
+deepspeed is imported only when the strategy is built: composing, validating and the start-up
+refusals (:mod:`rlhf_lightning.run.deepspeed_checks`) work without it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+from datetime import timedelta
+from typing import Any
+
+from rlhf_lightning.config.errors import ConfigError
+
+ZERO_STAGES = {"deepspeed_zero2": 2, "deepspeed_zero3": 3}
+# The release these settings were written against (``managed_gradient_accumulation`` is recent).
+MIN_DEEPSPEED = (0, 19, 8)
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    out = []
+    for part in version.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        out.append(int(digits) if digits else 0)
+    return tuple(out)
+
+
+def deepspeed_missing(version: str | None = "installed") -> str | None:
+    """Why deepspeed cannot be used here (not installed, too old), or None.
+
+    ``version``: the installed version to judge ("installed": ask the environment; None: absent).
+    """
+    if version == "installed":
+        try:
+            version = (
+                importlib.metadata.version("deepspeed")
+                if importlib.util.find_spec("deepspeed") is not None
+                else None
+            )
+        except importlib.metadata.PackageNotFoundError:
+            version = None
+    want = ".".join(map(str, MIN_DEEPSPEED))
+    if version is None:
+        return f"deepspeed is not installed: pip install 'deepspeed>={want}'"
+    if _version_tuple(version) < MIN_DEEPSPEED:
+        return f"deepspeed {version} is too old (needs managed_gradient_accumulation): pip install 'deepspeed>={want}'"
+    return None
+
+
+def deepspeed_config(stage: int, grad_clip: float | None, offload_optimizer: bool) -> dict[str, Any]:
+    """The DeepSpeed config for ZeRO ``stage`` with the project's own optimizer and schedule."""
+    zero: dict[str, Any] = {"stage": stage, "contiguous_gradients": True, "overlap_comm": False}
+    if offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    return {
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,  # torch's AdamW, built by configure_optimizers
+        "zero_force_ds_cpu_optimizer": False,  # offloaded: torch's AdamW steps on the CPU
+        "managed_gradient_accumulation": False,  # the learner accumulates; step() is the boundary
+        "gradient_accumulation_steps": 1,
+        "train_micro_batch_size_per_gpu": 1,  # DeepSpeed's throughput log only
+        "gradient_clipping": float(grad_clip) if grad_clip is not None else 0.0,
+        "steps_per_print": 2**31 - 1,  # no progress lines of its own
+    }
+
+
+def deepspeed_strategy(
+    name: str,
+    grad_clip: float | None,
+    offload_optimizer: bool,
+    process_group_backend: str | None,
+    timeout: timedelta,
+) -> Any:
+    """Lightning's DeepSpeedStrategy for ``strategy=<name>`` (a ``ZERO_STAGES`` key)."""
+    problem = deepspeed_missing()
+    if problem is not None:
+        raise ConfigError("strategy.name", name, f"a strategy whose library is installed: {problem}")
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    class ProjectDeepSpeed(DeepSpeedStrategy):
+        """Checkpoints as single Lightning files of the trainable weights (what the run's
+        checkpoint callbacks prune, export and check); under ZeRO-3 the weights read outside
+        a module's forward stay gathered."""
+
+        def init_deepspeed(self) -> None:
+            super().init_deepspeed()
+            if self.zero_stage_3:
+                keep_gathered(self.model)
+
+        def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+            return {}  # partitioned by ZeRO; resuming is refused at start-up
+
+        def lightning_module_state_dict(self) -> dict[str, Any]:
+            module: Any = self.lightning_module
+            keep = module.checkpoint_keys()
+            named = [(n, p) for n, p in module.named_parameters() if n in keep]
+            with gathered_params([p for _, p in named]):
+                return {n: p.detach().cpu().clone() for n, p in named}
+
+        def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any = None) -> None:
+            checkpoint = {k: v for k, v in checkpoint.items() if k != "optimizer_states"}
+            if self.is_global_zero:
+                self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    return ProjectDeepSpeed(
+        stage=ZERO_STAGES[name],
+        config=deepspeed_config(ZERO_STAGES[name], grad_clip, offload_optimizer),
+        process_group_backend=process_group_backend,
+        timeout=timeout,
+    )
+
+
+def gathered_params(params: list[Any]) -> Any:
+    """The full values of ZeRO-3 partitioned ``params`` for the duration (read-only)."""
+    from contextlib import nullcontext
+
+    if not any(hasattr(p, "ds_id") for p in params):
+        return nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters([p for p in params if hasattr(p, "ds_id")], modifier_rank=None)
+
+
+def keep_gathered(engine: Any) -> list[Any]:
+    """ZeRO-3: keep the trainable parameters and every output head gathered on every rank
+    (DeepSpeed's persistent parameters, gathered again after each step), so the policy may read
+    them outside a module's forward. Only the frozen base's other weights stay partitioned.
+    Returns the parameters kept."""
+    module = getattr(engine, "module", engine)
+    keep: dict[int, Any] = {}
+    for p in module.parameters():
+        if p.requires_grad:
+            keep[id(p)] = p
+    for sub in module.modules():
+        heads = getattr(sub, "get_output_embeddings", None)
+        head = heads() if callable(heads) else None
+        weight = getattr(head, "weight", None)
+        if weight is not None:
+            keep[id(weight)] = weight
+    params = [p for p in keep.values() if hasattr(p, "ds_id") and not p.ds_persist]
+    if not params:
+        return []
+    for p in params:
+        p.ds_persist = True
+    persistent = getattr(getattr(engine, "optimizer", None), "persistent_parameters", None)
+    if isinstance(persistent, list):
+        persistent.extend(params)  # the same list the parameter offload keeps
+    params[0].all_gather(params)
+    return params
