@@ -20,6 +20,7 @@ from rlhf_lightning.config.algo import (
     registered_name,
 )
 from rlhf_lightning.config.errors import ConfigError, check, check_model_path
+from rlhf_lightning.config.sections import check_sections, validate_precision
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOGGERS = ("csv", "tensorboard", "wandb")
@@ -81,7 +82,13 @@ def validate_optim(a: DictConfig) -> None:
         a.chunk_rows,
         "a positive int, or null (auto)",
     )
-    check(len(a.adam_betas) == 2, "algo.adam_betas", list(a.adam_betas), "two numbers [beta1, beta2]")
+    check(
+        len(a.adam_betas) == 2 and all(0.0 <= b < 1.0 for b in a.adam_betas),
+        "algo.adam_betas",
+        list(a.adam_betas),
+        "two numbers [beta1, beta2], each in [0, 1) (e.g. [0.9, 0.999])",
+    )
+    check(a.adam_eps > 0, "algo.adam_eps", a.adam_eps, "> 0 (e.g. 1e-8)")
     check(
         a.micro_batch_size is None or a.micro_batch_size > 0,
         "algo.micro_batch_size",
@@ -176,6 +183,16 @@ def validate_server_fields(r: DictConfig) -> None:
     for name in ("max_concurrency", "request_timeout_s", "server_start_timeout_s", "max_loras"):
         check(r[name] > 0, f"rollout.{name}", r[name], "> 0")
     check(r.request_retries >= 0, "rollout.request_retries", r.request_retries, ">= 0")
+    args = [str(a) for a in r.server_args]
+    modes = [v for i, a in enumerate(args) for v in (args[i + 1 : i + 2] if a == "--logprobs-mode" else [])]
+    modes += [a.split("=", 1)[1] for a in args if a.startswith("--logprobs-mode=")]
+    check(
+        all(m == "processed_logprobs" for m in modes),
+        "rollout.server_args",
+        args,
+        "no --logprobs-mode but processed_logprobs (the log-probs the ratio needs: after temperature "
+        "and the top-k/top-p/min-p filters); the run starts its servers with it",
+    )
 
 
 def validate_async_fields(r: DictConfig) -> None:
@@ -232,6 +249,7 @@ def validate_trainer(t: DictConfig) -> None:
         v,
         "a positive number of training steps, a fraction of an epoch in (0, 1], or null",
     )
+    validate_precision(t.precision)
 
 
 def check_known_keys(node: Any, prefix: str = "") -> None:
@@ -255,8 +273,9 @@ def check_known_keys(node: Any, prefix: str = "") -> None:
 
 def early_checks(cfg: DictConfig) -> None:
     """What can be checked before the heavy imports: required fields, unknown keys, and the
-    values of ``model``, ``rollout``, ``trainer`` and (when its YAML starts from a schema)
-    ``algo``'s optimiser fields. Raises :class:`ConfigError`."""
+    values of ``model``, ``rollout``, ``trainer``, (when its YAML starts from a schema)
+    ``algo``'s optimiser fields, and the run's own sections (``config/sections.py``). Raises
+    :class:`ConfigError`."""
     check_required(cfg)
     check_known_keys(cfg)
     validate_model_fields(cfg.model)
@@ -267,6 +286,7 @@ def early_checks(cfg: DictConfig) -> None:
     if cfg.algo.get("module") in ("grpo", "ppo"):  # a family outside may register names of its own
         validate_rollout_names(cfg.algo)
     check_family(cfg)
+    check_sections(cfg)
 
 
 BUILTIN_FAMILIES = ("grpo", "ppo", "dpo", "sft")  # conf/family/ (and none)

@@ -30,6 +30,7 @@ from rlhf_lightning.config.choices import (
     Selection,
     StepWorkers,
 )
+from rlhf_lightning.config.sections import run_dir
 
 __all__ = [  # the algorithm schemas are defined in config/algo.py and stored here
     "DPOConfig",
@@ -383,6 +384,8 @@ def register_configs() -> None:
         OmegaConf.register_new_resolver(
             "or_default", lambda value, default: default if value in (None, "") else value
         )
+    if not OmegaConf.has_resolver("run_dir"):  # hydra.run.dir: output_dir (checked) when it is set
+        OmegaConf.register_new_resolver("run_dir", run_dir)
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
     # Schemas live outside the option groups (``/schema/<group>/<name>``), so Hydra never offers

@@ -14,6 +14,7 @@ from rlhf_lightning.callbacks.configured import check_configured_callbacks
 from rlhf_lightning.config.algo import registered_name
 from rlhf_lightning.config.early import LOGGERS, early_checks, is_typed, validate_optim
 from rlhf_lightning.config.errors import ConfigError, check
+from rlhf_lightning.config.sections import check_constructor_kwargs
 from rlhf_lightning.losses import POLICY_LOSSES
 from rlhf_lightning.models.kernels import QUANT_TYPES, gpu_model_problem
 from rlhf_lightning.rollout.stepping import STEP_WORKERS
@@ -163,11 +164,14 @@ def check_checkpoint(field: str, path: str) -> None:
     raise ConfigError(field, path, f"{problem}; {hint}")
 
 
-def check_env_target(target: str) -> None:
-    """``env._target_`` names a TextEnv class; checked without calling it."""
+def check_env_target(target: str, kwargs: Any = None) -> None:
+    """``env._target_`` names a TextEnv class; checked without calling it, with ``env.kwargs``
+    checked against the types its constructor declares."""
     from rlhf_lightning.envs.factory import env_class
 
-    env_class(target)
+    cls = env_class(target)
+    if kwargs:
+        check_constructor_kwargs(cls, kwargs, "env.kwargs")
 
 
 def validate(cfg: DictConfig) -> None:
@@ -262,7 +266,7 @@ def validate_reward_and_env(cfg: DictConfig) -> None:
         "required with reward=model: pass reward.model_path=/path/to/reward_model",
     )
     e = cfg.env
-    check_env_target(e._target_)
+    check_env_target(e._target_, e.kwargs)
     check(e.max_turns >= 1, "env.max_turns", e.max_turns, "at least 1")
     check(
         e.concurrency >= 1, "env.concurrency", e.concurrency, "at least 1 (1: env steps one after the other)"
