@@ -322,11 +322,16 @@ def validate_population(p: DictConfig, spec: Any, cfg: DictConfig) -> None:
 
 def side_by_side(cfg: DictConfig) -> bool:
     """Whether the population's members train side by side: ``population.batched``; when null,
-    whenever the run allows it (LoRA members, no dynamic sampling), else round-robin."""
+    whenever the run allows it (LoRA members, no dynamic sampling, not ``rollout=vllm_server``),
+    else round-robin."""
     batched = cfg.population.get("batched")
     if batched is not None:
         return bool(batched)
-    return bool(cfg.model.finetune == "lora" and not cfg.algo.get("dynamic_sampling", False))
+    return bool(
+        cfg.model.finetune == "lora"
+        and not cfg.algo.get("dynamic_sampling", False)
+        and cfg.rollout.get("engine") != "vllm_server"  # a server request samples one adapter
+    )
 
 
 def default_evolve_every(size: int, batched: bool) -> int:
@@ -349,6 +354,13 @@ def validate_side_by_side(size: int, cfg: DictConfig) -> None:
         "algo.dynamic_sampling",
         cfg.algo.get("dynamic_sampling"),
         f"false with {where} (refills per member are not built yet); set population.batched=false",
+    )
+    check(
+        cfg.rollout.get("engine") != "vllm_server",
+        "rollout",
+        "vllm_server",
+        f"hf or vllm with {where}: an inference server samples one adapter per request, not one per "
+        "row; set population.batched=false (members take turns, round-robin)",
     )
 
 

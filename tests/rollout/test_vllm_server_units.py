@@ -360,6 +360,24 @@ def test_bad_server_fields_are_refused_naming_the_field(override: str, field: st
         validate_rollout(compose_config(["rollout=vllm_server", override]).rollout)
 
 
+def test_members_side_by_side_on_servers_are_refused_at_start_up(tmp_path: Path):
+    """population.batched=true with rollout=vllm_server is refused by the start-up validation
+    (before any server starts), naming the fix; left null, the members take turns."""
+    from rlhf_lightning.population.checks import side_by_side
+    from rlhf_lightning.run.validation import validate
+    from tests.population.test_side_by_side import POP
+
+    cfg = compose_config([*POP, "rollout=vllm_server"], output_dir=tmp_path)
+    with pytest.raises(ConfigError, match=r"rollout='vllm_server'.*population\.batched=false"):
+        validate(cfg)
+    turns = compose_config(
+        [*POP, "rollout=vllm_server", "population.batched=null", "population.evolve_every=2"],
+        output_dir=tmp_path,
+    )
+    validate(turns)
+    assert not side_by_side(turns)
+
+
 def test_server_devices_and_urls_together_are_refused():
     from rlhf_lightning.config.early import validate_rollout
 
