@@ -3,28 +3,60 @@
 from __future__ import annotations
 
 import functools
-import threading
+import importlib.util
+import logging
 from pathlib import Path
 from typing import Any
 
 from rlhf_lightning.config import ASSETS
 from rlhf_lightning.envs.files import read_rows, require_columns, split_rows
+from rlhf_lightning.envs.math_check import equivalent
+from rlhf_lightning.runtime.workers import CallTimeout, StartTimeout, WorkerDied, shared_pool
 
 SAMPLE_FILE = ASSETS / "math_sample.jsonl"
+VERIFY_TIMEOUT_S = 5.0  # math-verify's own limit on parsing each side and on comparing them
+VERIFY_WORKERS = 2  # worker processes that run checks (shared by every env of this process)
+log = logging.getLogger(__name__)
 
 
-def verify(completion: str, gold: str) -> bool:
-    """math-verify's equivalence check of the completion's final answer against the gold answer."""
-    try:
-        from math_verify import parse
-        from math_verify import verify as mv_verify
-    except ImportError as err:
-        raise ImportError("env=math needs math-verify: pip install 'rlhf_lightning[math]'") from err
-    # math-verify's timeouts use signal.alarm, which only works in the main thread.
-    timeout = 5 if threading.current_thread() is threading.main_thread() else None
-    gold_parsed = parse(gold if "$" in gold or "\\boxed" in gold else f"${gold}$", parsing_timeout=timeout)
-    answer = parse(completion, parsing_timeout=timeout)
-    return bool(gold_parsed) and bool(answer) and mv_verify(gold_parsed, answer, timeout_seconds=timeout)
+def verify(completion: str, gold: str, timeout_s: float = VERIFY_TIMEOUT_S) -> bool:
+    """math-verify's equivalence check of the completion's final answer against the gold answer.
+
+    The check runs in a reused worker process (:func:`~rlhf_lightning.runtime.workers.shared_pool`
+    ``math-verify``; a round trip costs well under a millisecond), never in the caller: sympy
+    can spend hours at full CPU, holding the GIL, on an answer such as ``9^9^9^9`` or a gold
+    ``10^{10^{10}}-1``, and math-verify's own timeouts (``signal.alarm``) work only on a main
+    thread, which env steps on threads and the async rollout thread are not. In the worker,
+    math-verify stops a parse or the comparison after ``timeout_s`` (not equal); a check still
+    running ``3 * timeout_s + 1`` seconds after it started is stopped with its worker (killed and
+    replaced), logged, and counts as not correct.
+    """
+    if not _math_verify_installed():
+        raise ImportError("env=math needs math-verify: pip install 'rlhf_lightning[math]'")
+    if timeout_s <= 0:
+        raise ValueError(f"verify's timeout_s must be > 0 seconds, got {timeout_s}")
+    deadline_s = 3 * timeout_s + 1
+    outcome = shared_pool("math-verify", VERIFY_WORKERS).call(
+        equivalent, (completion, gold, timeout_s), timeout_s=deadline_s
+    )
+    if outcome.error is None:
+        return bool(outcome.output)
+    if not isinstance(outcome.error, CallTimeout | WorkerDied | StartTimeout):
+        raise outcome.error
+    log.warning(
+        "math-verify's check of the answer ...%r against the gold answer %.120r was stopped "
+        "(%s: %s): counted as not correct",
+        completion[-120:],
+        gold,
+        type(outcome.error).__name__,
+        outcome.error,
+    )
+    return False
+
+
+@functools.cache
+def _math_verify_installed() -> bool:
+    return importlib.util.find_spec("math_verify") is not None
 
 
 def cached_rows(path: str, field: str) -> list[dict[str, Any]]:
@@ -48,6 +80,8 @@ class MathEnv:
         eval_path: the eval file; default: the last ``eval_fraction`` of ``path``'s rows.
         question_key, answer_key: the columns holding the problem and the gold answer.
         instruction: appended to each problem (asks for a boxed answer by default).
+        verify_timeout_s: math-verify's limit on one check (see :func:`verify`); an answer it
+            cannot settle in time counts as not correct.
     """
 
     def __init__(
@@ -58,7 +92,11 @@ class MathEnv:
         answer_key: str = "answer",
         eval_fraction: float = 0.25,
         instruction: str = "Put the final answer in \\boxed{}.",
+        verify_timeout_s: float = VERIFY_TIMEOUT_S,
     ) -> None:
+        if not verify_timeout_s > 0:
+            raise ValueError(f"env.kwargs.verify_timeout_s must be > 0 seconds, got {verify_timeout_s}")
+        self.verify_timeout_s = float(verify_timeout_s)
         rows = cached_rows(str(path or SAMPLE_FILE), "env.kwargs.path")
         require_columns(rows, [question_key, answer_key], f"MathEnv file {path or SAMPLE_FILE}")
         eval_rows = cached_rows(eval_path, "env.kwargs.eval_path") if eval_path is not None else None
@@ -80,5 +118,5 @@ class MathEnv:
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         if self.row is None:
             raise RuntimeError("MathEnv.step called before reset")
-        correct = verify(action, str(self.row[self.answer_key]))
+        correct = verify(action, str(self.row[self.answer_key]), self.verify_timeout_s)
         return "", float(correct), True, False, {"correct": correct}
