@@ -368,6 +368,8 @@ class Config:
     # resume this run: output_dir's last checkpoint, or the newest outputs/<name>/* run with the same config
     resume: bool = False
     resume_force: bool = False  # resume although the config differs from the checkpoint run's
+    # start a new run in an output_dir that holds an earlier one, deleting that run's results
+    overwrite: bool = False
     # What train.py returns (to a Hydra sweeper such as Optuna): any metric the run logs, its final
     # value or its best over the run (best by optimized_direction: maximize | minimize). null:
     # nothing (hparams_search=optuna sets eval/accuracy_sampled); a name is checked early.

@@ -4,8 +4,6 @@ loaded with ``torch.load(weights_only=True)``."""
 
 from __future__ import annotations
 
-import pickle
-import re
 from pathlib import Path
 from typing import cast
 
@@ -14,6 +12,7 @@ from transformers import PreTrainedModel
 
 from rlhf_lightning.export.source import Source, fail, one_line, remote_code_hint
 from rlhf_lightning.models.build import DTYPES, load_model
+from rlhf_lightning.runtime.checkpoint_file import CheckpointRefused, load_checkpoint
 
 CHECKPOINT_PREFIX = "policy.model."  # the LightningModule's keys for the wrapped model's weights
 
@@ -48,20 +47,10 @@ def checkpoint_weights(ckpt: Path) -> dict[str, torch.Tensor]:
     is refused; our checkpoints hold only tensors and plain values. ``mmap``: optimizer states are
     never read into memory."""
     try:
-        state = torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError as err:
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
-        why = f"it pickles {found.group(1)}" if found else one_line(err)
-        raise fail(
-            f"refusing to load {ckpt}: it holds pickled objects that loading would execute ({why}), "
-            "which rlhf_lightning's checkpoints never do; export only checkpoints written by "
-            "train.py, or re-save a trusted file's state_dict with torch.save"
-        ) from err
-    except (RuntimeError, OSError, EOFError, ValueError) as err:
-        raise fail(
-            f"cannot read {ckpt} ({one_line(err)}); is it a Lightning checkpoint written by train.py?"
-        ) from err
-    weights = state.get("state_dict") if isinstance(state, dict) else None
+        state = load_checkpoint(ckpt)
+    except CheckpointRefused as err:
+        raise fail(str(err)) from err
+    weights = state.get("state_dict")
     if not isinstance(weights, dict):
         raise fail(f"{ckpt} has no state_dict; is it a Lightning checkpoint written by train.py?")
     return {k[len(CHECKPOINT_PREFIX) :]: v for k, v in weights.items() if k.startswith(CHECKPOINT_PREFIX)}

@@ -27,16 +27,22 @@ from rlhf_lightning.run.factories import (  # noqa: F401  (build, training_rewar
     training_reward,
 )
 from rlhf_lightning.run.loggers import build_loggers, hydra_job, wandb_location
+from rlhf_lightning.run.resume_checks import check_fits, verified_checkpoint
 from rlhf_lightning.run.rundir import (
     check_same_run,
     claim_run_dir,
+    clear_run,
     find_resumable,
+    holds_run,
     process_rank,
+    refuse_reuse,
     release_run_dir,
+    remove_partials,
     save_run_config,
 )
 from rlhf_lightning.run.summary import summary_lines, write_plot
-from rlhf_lightning.run.validation import check, check_checkpoint, validate
+from rlhf_lightning.run.validation import check, validate
+from rlhf_lightning.runtime.checkpoint_file import load_checkpoint
 from rlhf_lightning.runtime.strategies import (
     build_strategy,
     distributed_job,
@@ -87,13 +93,16 @@ def output_dir_for(cfg: DictConfig) -> Path:
 
 def checkpoint_step(path: str | Path) -> int:
     """The optimizer steps done in a Lightning checkpoint (its ``global_step``)."""
-    return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["global_step"])
+    return int(load_checkpoint(path)["global_step"])
 
 
 def prepare_run_dir(cfg: DictConfig) -> tuple[Path, str | None]:
     """This run's directory (claimed: no other live run writes there) and the checkpoint it
     resumes from (``ckpt_path``; or with ``resume=true``, ``output_dir``'s last checkpoint, or the
-    newest ``outputs/<name>/*`` run of the same config, whose directory the run then continues)."""
+    newest ``outputs/<name>/*`` run of the same config, whose directory the run then continues).
+
+    Everything is checked before the directory is claimed, and nothing is written into it here
+    but the lock: ``config.yaml`` follows once the checkpoint has loaded (:class:`SaveRunConfig`)."""
     explicit = bool(cfg.output_dir)
     out = output_dir_for(cfg)
     ckpt = cfg.ckpt_path
@@ -106,17 +115,41 @@ def prepare_run_dir(cfg: DictConfig) -> tuple[Path, str | None]:
             out, explicit = find_resumable(root, cfg, exclude=out, pattern=pattern), True
         last = out / "checkpoints" / "last.ckpt"
         check(last.is_file(), "resume", True, f"a checkpoint at {last} (output_dir names the run to resume)")
-        check_checkpoint("resume", str(last))
         ckpt = str(last)
+    in_place = bool(ckpt) and Path(str(ckpt)).resolve().parent.parent == out.resolve()
+    check(
+        not (cfg.overwrite and in_place),
+        "overwrite",
+        True,
+        f"false when resuming in {out}: overwrite deletes the checkpoint the run resumes from",
+    )
     if ckpt:
+        verified_checkpoint("ckpt_path" if cfg.ckpt_path else "resume", ckpt)
         check_same_run(cfg, Path(ckpt).resolve().parent.parent, cfg.resume_force)
+    if explicit and not in_place:
+        refuse_reuse(out, overwrite=cfg.overwrite)
     if process_rank() != 0:  # the other ranks are handed rank 0's directory
         out.mkdir(parents=True, exist_ok=True)
         return out, ckpt
     out = claim_run_dir(out, explicit=explicit)
-    save_run_config(cfg, out)
+    remove_partials(out)
+    if cfg.overwrite and holds_run(out):
+        clear_run(out)
     pass_output_dir_to_other_ranks(out)
     return out, ckpt
+
+
+class SaveRunConfig(L.Callback):
+    """``config.yaml`` (and ``.hydra/``) written when training starts: after a resumed run's
+    checkpoint has loaded, so a resume that fails leaves the run's own config (and with it its
+    ``resume=true``) as it was. Rank 0 writes."""
+
+    def __init__(self, cfg: DictConfig, output_dir: Path) -> None:
+        self.cfg, self.output_dir = cfg, output_dir
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.is_global_zero:
+            save_run_config(self.cfg, self.output_dir)
 
 
 def finish_wandb() -> None:
@@ -205,8 +238,10 @@ def _fit(
         same_dir = Path(ckpt_path).resolve().parent.parent == output_dir.resolve()
         resume_step = checkpoint_step(ckpt_path) if same_dir else None
     module, dm = build(cfg, output_dir)
+    if ckpt_path:  # before anything is written: a misfit is one line, the run directory untouched
+        check_fits("ckpt_path" if cfg.ckpt_path else "resume", ckpt_path, module, cfg)
     loggers = run_loggers(cfg, output_dir, resume_step)
-    cbs = run_callbacks(cfg, output_dir, list(extra_callbacks))
+    cbs = run_callbacks(cfg, output_dir, [SaveRunConfig(cfg, output_dir), *extra_callbacks])
     trainer_kwargs = cast(dict[str, Any], OmegaConf.to_container(cfg.trainer, resolve=True))
     single_job_argv(output_dir)  # a multirun job's other ranks run this job only
     trainer = L.Trainer(

@@ -5,6 +5,7 @@ directory, keeps the rows up to the checkpoint's step (Lightning's CSV logger wo
 from __future__ import annotations
 
 import csv as csvlib
+import io
 from pathlib import Path
 from typing import Any, cast
 
@@ -13,12 +14,18 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from omegaconf import DictConfig
 
+from rlhf_lightning.run.rundir import write_atomic
+
 
 class _ContinuingWriter(ExperimentWriter):
-    """Keeps an existing ``metrics.csv``: its rows up to ``resume_step``, and its columns."""
+    """Keeps an existing ``metrics.csv``: its rows up to ``resume_step``, and its columns.
+
+    Nothing is written until the first metrics are saved, which is after the checkpoint has
+    loaded: a resume that fails leaves ``metrics.csv`` (and ``hparams.yaml``) as they were."""
 
     def __init__(self, log_dir: str, resume_step: int | None) -> None:
         self.resume_step = resume_step
+        self._kept: list[dict[str, str]] | None = None  # rows written back at the first save
         super().__init__(log_dir=log_dir)
 
     def _check_log_dir_exists(self) -> None:
@@ -30,11 +37,24 @@ class _ContinuingWriter(ExperimentWriter):
             reader = csvlib.DictReader(f)
             keys = list(reader.fieldnames or [])
             rows = [r for r in reader if r.get("step", "") == "" or int(r["step"]) <= self.resume_step]
-        with path.open("w", newline="") as f:
-            writer = csvlib.DictWriter(f, fieldnames=keys)
+        self._kept, self.metrics_keys = rows, keys
+
+    def log_hparams(self, params: dict[str, Any]) -> None:
+        if self._kept is None:
+            super().log_hparams(params)
+        else:
+            self.hparams.update(params)  # written with the kept rows
+
+    def save(self) -> None:
+        if self._kept is not None and self.metrics:
+            text = io.StringIO(newline="")
+            writer = csvlib.DictWriter(text, fieldnames=self.metrics_keys)
             writer.writeheader()
-            writer.writerows(rows)
-        self.metrics_keys = keys
+            writer.writerows(self._kept)
+            write_atomic(Path(self.metrics_file_path), text.getvalue())
+            self._kept = None
+            super().log_hparams({})  # hparams.yaml
+        super().save()
 
 
 class RunCSVLogger(CSVLogger):

@@ -6,12 +6,17 @@ claim_run_dir   the run directory, created and locked exclusively (``.run.lock``
 find_resumable  the newest ``outputs/<name>/*`` run with a ``checkpoints/last.ckpt`` whose
                 saved ``config.yaml`` matches this config (fields in SAFE_TO_CHANGE aside)
 config_changes  what differs between two configs, key by key
+refuse_reuse    an explicit ``output_dir`` holding an earlier run is refused unless the run
+                resumes it (``resume=true``) or replaces it (``overwrite=true``)
+clear_run       ``overwrite=true``: the earlier run's files removed (only the files a run writes)
+remove_partials temporary files a killed save left (``.<name>.*.tmp``), once the run holds the lock
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import socket
 import tempfile
 from pathlib import Path
@@ -29,6 +34,7 @@ CONFIG = "config.yaml"
 SAFE_TO_CHANGE = (
     "output_dir",
     "resume",
+    "overwrite",
     "resume_force",
     "ckpt_path",
     "num_threads",
@@ -112,6 +118,57 @@ def claim_run_dir(path: Path, *, explicit: bool) -> Path:
         if candidate != path:
             log.warning("%s is in use by another run: this run writes to %s", path, candidate)
         return candidate
+
+
+# What a run writes into its directory: what ``overwrite=true`` removes (and nothing else).
+RUN_FILES = (CONFIG, ".hydra", "checkpoints", "metrics.csv", "hparams.yaml", "plots.png", "samples.md",
+             "tensorboard", "wandb", "population", "lineage.csv", "server_weights", "servers",
+             "train.log")  # fmt: skip
+# What shows that a directory holds a run (a run writes config.yaml once its checkpoint loaded).
+RUN_MARKS = (CONFIG, "checkpoints", "metrics.csv")
+
+
+def holds_run(path: Path) -> bool:
+    return any((path / name).exists() for name in RUN_MARKS)
+
+
+def refuse_reuse(path: Path, *, overwrite: bool) -> None:
+    """A new run never writes into ``path`` (the user's ``output_dir``) over an earlier run's
+    results, unless told to (``overwrite``); a resume of that run does not come here."""
+    if overwrite or not path.is_dir() or not holds_run(path):
+        return
+    raise ConfigError(
+        "output_dir",
+        str(path),
+        f"a directory without an earlier run: {path} holds one ({', '.join(n for n in RUN_MARKS if (path / n).exists())}); "
+        "continue it with resume=true, or pass overwrite=true to delete its results and start a new "
+        "run there (or choose another output_dir)",
+    )
+
+
+def clear_run(path: Path) -> None:
+    """``overwrite=true``: the files an earlier run wrote in ``path`` (RUN_FILES) removed; a log
+    file still open (Hydra's ``train.log``) is emptied instead. Other files are left alone."""
+    for name in RUN_FILES:
+        p = path / name
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        elif name == "train.log" and p.is_file():
+            os.truncate(p, 0)
+        elif p.exists() or p.is_symlink():
+            p.unlink()
+    log.info("overwrite=true: removed the earlier run's files from %s", path)
+
+
+def remove_partials(path: Path) -> None:
+    """Remove the temporary files of saves a killed run left in ``path`` and its ``checkpoints``
+    (``.<name>.<random>.tmp``, see ``write_atomic`` and ``atomic_torch_save``). Call it only
+    while holding the directory's lock: no live run is writing them then."""
+    for d in (path, path / "checkpoints", path / ".hydra"):
+        for p in d.glob(".*.tmp"):
+            if p.is_file() and not p.is_symlink():
+                log.info("removing %s, a partial file left by an interrupted save", p)
+                p.unlink(missing_ok=True)
 
 
 def release_run_dir(path: Path) -> None:

@@ -157,7 +157,7 @@ def check_checkpoint(field: str, path: str) -> None:
     )
     good = next((c for c in earlier if checkpoint_problem(c) is None), None)
     hint = (
-        f"resume from the newest readable one beside it: {field}={good}"
+        f"resume from the newest readable one beside it: ckpt_path={good}"
         if good
         else f"no readable .ckpt next to it in {p.parent}"
     )
