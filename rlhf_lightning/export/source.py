@@ -5,6 +5,7 @@ the CLI's one-line errors (:func:`fail`)."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -42,8 +43,32 @@ def fail(message: str) -> SystemExit:
     return SystemExit("error: " + " ".join(message.split()))
 
 
+# The project's own resolvers: the only interpolations an export resolves in a run directory.
+OWN_RESOLVERS = ("asset", "or_default")
+_RESOLVER = re.compile(r"\$\{\s*([A-Za-z_][\w.]*)\s*:")
+_BLOCKED = "\x00blocked-interpolation\x00"
+
+
+def _blocked(value: str) -> str | None:
+    """The first resolver in ``value`` that is not the project's own (``oc.env``...), or None."""
+    return next((name for name in _RESOLVER.findall(value) if name not in OWN_RESOLVERS), None)
+
+
+def _scrubbed(node: Any) -> Any:
+    """``node`` (a raw config container) with every string that calls another resolver replaced
+    by a marker: resolving the rest can reach neither the environment nor any other outside value."""
+    if isinstance(node, dict):
+        return {k: _scrubbed(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_scrubbed(v) for v in node]
+    return _BLOCKED if isinstance(node, str) and _blocked(node) else node
+
+
 def _run_model_config(config: Path) -> dict[str, Any]:
-    """``model.*`` of a run's ``config.yaml``, interpolations (``${asset:...}``) resolved."""
+    """``model.*`` of a run's ``config.yaml``. A run directory may come from anyone: of its
+    interpolations only the project's own (``${asset:...}``) and references to other fields are
+    resolved; a model field that needs any other (``${oc.env:NAME}``, which would copy a variable
+    of this environment into the export) is refused."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -51,7 +76,9 @@ def _run_model_config(config: Path) -> dict[str, Any]:
 
     register_configs()  # the ${asset:NAME} resolver the embedded models' paths use
     try:
-        cfg = OmegaConf.load(config)
+        raw = OmegaConf.to_container(OmegaConf.load(config), resolve=False)
+        raw_model = raw.get("model") if isinstance(raw, dict) else None
+        cfg = OmegaConf.create(_scrubbed(raw))
         model = OmegaConf.to_container(cfg.model, resolve=True, enum_to_str=True)
     except (OmegaConfBaseException, OSError, ValueError) as err:
         raise fail(
@@ -60,6 +87,15 @@ def _run_model_config(config: Path) -> dict[str, Any]:
         ) from err
     if not isinstance(model, dict) or not model.get("path"):
         raise fail(f"{config} has no model.path; give a run directory written by train.py")
+    for key, value in cast(dict[str, Any], model).items():
+        if isinstance(value, str) and _BLOCKED in value:
+            shown = raw_model.get(key) if isinstance(raw_model, dict) else None
+            raise fail(
+                f"{config} sets model.{key} through an interpolation export does not resolve "
+                f"({shown!r}: only ${{asset:...}} and references to other fields are, so that a run "
+                "directory cannot copy this environment's variables into the export); write the value "
+                f"itself into model.{key} of {config}"
+            )
     return cast(dict[str, Any], model)
 
 
