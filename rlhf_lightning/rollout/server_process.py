@@ -92,6 +92,14 @@ def lora_slot_rank(rank: int) -> int:
 
 def server_command(spec: LaunchSpec, port: int, devices: str | None) -> list[str]:
     """The command line of one server on ``port`` (``devices``: its CUDA devices, or None)."""
+    extra = list(spec.extra_args)
+    modes = [extra[i + 1] for i, a in enumerate(extra[:-1]) if a == "--logprobs-mode"]
+    modes += [a.split("=", 1)[1] for a in extra if a.startswith("--logprobs-mode=")]
+    if any(m != "processed_logprobs" for m in modes):
+        raise ValueError(
+            f"rollout.server_args={extra} sets --logprobs-mode {modes}: the servers need "
+            "processed_logprobs (the log-probs after temperature and filters); remove it"
+        )
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", spec.model_path,

@@ -37,7 +37,8 @@ from typing import Any
 import torch
 
 from rlhf_lightning.rollout.engine import Completion, SamplingParams
-from rlhf_lightning.rollout.server_client import RequestPolicy, ServerClient, ServerError
+from rlhf_lightning.rollout.server_answers import answer_limit, check_processed_logprobs, completions_of
+from rlhf_lightning.rollout.server_client import RequestPolicy, ServerClient, ServerError, resume_hint
 from rlhf_lightning.rollout.server_process import LaunchSpec, ServerProcess, launch
 from rlhf_lightning.rollout.server_weights import VersionFiles
 
@@ -57,6 +58,9 @@ class ServerSettings:
             temporary one (servers on this machine only).
         log_dir: where started servers write their logs (``<run>/servers``); None: a temporary one.
         served_model_name: the base model's name on the servers; None: the one they serve.
+        checkpoint_dir: the run's checkpoints (``<run>/checkpoints``), named when a server dies.
+        vocab_size: the model's vocabulary (an answer's ids must lie in it); None: learned from
+            the first published policy.
     """
 
     urls: tuple[str, ...] | None = None
@@ -68,6 +72,8 @@ class ServerSettings:
     sync_dir: str | None = None
     log_dir: str | None = None
     served_model_name: str | None = None
+    checkpoint_dir: str | None = None
+    vocab_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -104,6 +110,7 @@ class VLLMServerEngine:
         self.synced_version: int | None = None  # ensure_synced's
         self.tag = f"actor-{uuid.uuid4().hex[:6]}"  # this engine's adapters, whoever else uses the servers
         self.serial = 0
+        self.vocab_size = settings.vocab_size
         self._files: VersionFiles | None = None
         self._temp: str | None = None
         self._lock = threading.RLock()
@@ -137,13 +144,16 @@ class VLLMServerEngine:
                 assert self.s.launch is not None
                 self.processes = launch(self.s.launch, Path(self.s.log_dir or self._tempdir()))
                 self.clients = [
-                    ServerClient(p.url, self.s.request, p.death, p.where()) for p in self.processes
+                    ServerClient(p.url, self.s.request, p.death, p.where(), self._resume_hint)
+                    for p in self.processes
                 ]
             else:
                 self.clients = [ServerClient(u, self.s.request) for u in self.s.urls]
                 for client in self.clients:
                     client.wait_healthy(self.s.start_timeout_s)
             self.base = self._base_model()
+            for client in self.clients:  # processed log-probs, or the ratio's are wrong
+                check_processed_logprobs(client, self.base)
         except BaseException:
             self.shutdown()
             raise
@@ -184,6 +194,9 @@ class VLLMServerEngine:
         self.loaded.clear()
         self.held = self.current = self.version = self.synced_version = None
         self._files = self._temp = None
+
+    def _resume_hint(self) -> str:
+        return resume_hint(self.s.checkpoint_dir)
 
     def _tempdir(self) -> str:
         if self._temp is None:
@@ -237,6 +250,7 @@ class VLLMServerEngine:
         """Write ``policy``'s trainable weights as ``version`` (replacing an earlier publication
         of the same version)."""
         name = self._next_name(version)
+        self.vocab_size = vocab_of(policy) or self.vocab_size
         self._register(version, Published(name, self.files.write(name, policy)))
 
     def publish_files(self, version: int, files: dict[str, bytes]) -> None:
@@ -265,7 +279,9 @@ class VLLMServerEngine:
             elif self.held != pub.name:
                 for client in self.clients:
                     client.reload_weights(str(pub.path))
-                self.held = pub.name
+                before, self.held = self.held, pub.name
+                if before is not None and before not in {p.name for p in self.published.values()}:
+                    self.files.remove(before)  # a republished version's old directory, held till now
             self.version = version
 
     def drop_before(self, version: int) -> None:
@@ -321,15 +337,18 @@ class VLLMServerEngine:
             for i, count in runs
         ]
         owners = [r * len(self.clients) // max(len(runs), 1) for r in range(len(runs))]
-        futures = [self.pools[k].submit(self.clients[k].complete, b) for k, b in zip(owners, bodies)]
+        futures = [
+            self.pools[k].submit(self.clients[k].complete, b, answer_limit(b)) for k, b in zip(owners, bodies)
+        ]
         out: list[Completion] = []
         try:
-            for (i, count), k, future in zip(runs, owners, futures):
+            for (i, count), k, body, future in zip(runs, owners, bodies, futures):
                 try:
                     answer = future.result(timeout=self.s.request.longest_s())
                 except FutureTimeout:
                     raise ServerError(f"no answer from {self.clients[k].url} within its retries") from None
-                out += completions_of(answer, i, self.clients[k].url, spread=count > 1)
+                url = self.clients[k].url
+                out += completions_of(answer, i, url, count > 1, body, self.vocab_size)
         finally:
             for future in futures:
                 future.cancel()
@@ -374,24 +393,9 @@ def request_body(model: str, prompt: list[int], p: SamplingParams, seed: int) ->
     }
 
 
-def completions_of(
-    answer: dict[str, Any], prompt_index: int, url: str, spread: bool = False
-) -> list[Completion]:
-    """The completions of one ``/v1/completions`` answer, in choice order: all of prompt
-    ``prompt_index``, or (``spread``: a run of equal prompts) choice c of prompt ``prompt_index + c``."""
-    out = []
-    for c, choice in enumerate(sorted(answer.get("choices", []), key=lambda c: c.get("index", 0))):
-        ids = choice.get("token_ids")
-        logps = (choice.get("logprobs") or {}).get("token_logprobs")
-        if ids is None or logps is None or len(ids) != len(logps):
-            raise ServerError(
-                f"{url} answered without a log-prob for each generated token id (it needs vLLM >= 0.10, "
-                "which returns token ids)"
-            )
-        reason = choice.get("finish_reason")
-        if reason not in ("stop", "length"):
-            raise ServerError(f"{url} ended a completion with finish_reason={reason!r} (aborted?)")
-        out.append(
-            Completion(list(ids), [float(x) for x in logps], reason, prompt_index + (c if spread else 0))
-        )
-    return out
+def vocab_of(policy: Any) -> int | None:
+    """The width of ``policy``'s logits (its output embedding's rows), or None if it has none."""
+    model = getattr(policy, "causal_lm", None)
+    head = model.get_output_embeddings() if model is not None else None
+    weight = getattr(head, "weight", None)
+    return int(weight.shape[0]) if weight is not None else None

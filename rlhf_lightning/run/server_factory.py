@@ -39,7 +39,8 @@ def launch_spec(cfg: DictConfig) -> LaunchSpec:
 
 def server_settings(cfg: DictConfig, output_dir: Path | None) -> ServerSettings:
     """The ``rollout`` node's servers: versions in ``<run>/server_weights``, started servers'
-    logs in ``<run>/servers`` (temporary directories without a run directory)."""
+    logs in ``<run>/servers`` (temporary directories without a run directory), the checkpoints a
+    dead server's message names in ``<run>/checkpoints``."""
     r = cfg.rollout
     given = r.servers is not None
     return ServerSettings(
@@ -52,6 +53,7 @@ def server_settings(cfg: DictConfig, output_dir: Path | None) -> ServerSettings:
         sync_dir=r.sync_dir or (str(output_dir / "server_weights") if output_dir is not None else None),
         log_dir=str(output_dir / "servers") if output_dir is not None else None,
         served_model_name=r.served_model_name,
+        checkpoint_dir=str(output_dir / "checkpoints") if output_dir is not None else None,
     )
 
 

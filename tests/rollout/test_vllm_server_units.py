@@ -14,13 +14,16 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 from rlhf_lightning.config.errors import ConfigError
 from rlhf_lightning.rollout.engine import SamplingParams
-from rlhf_lightning.rollout.server_client import RequestPolicy, ServerClient, ServerError
+from rlhf_lightning.rollout.server_answers import completions_of
+from rlhf_lightning.rollout.server_client import RequestPolicy, ServerClient, ServerError, resume_hint
 from rlhf_lightning.rollout.server_process import (
     LaunchSpec,
     ServerStartError,
@@ -31,12 +34,12 @@ from rlhf_lightning.rollout.server_process import (
 from rlhf_lightning.rollout.vllm_server import (
     ServerSettings,
     VLLMServerEngine,
-    completions_of,
     request_body,
     same_prompt_runs,
 )
 from rlhf_lightning.runtime.group_guard import group_members
 from tests.conftest import ROOT, compose_config
+from tests.rollout.fake_vllm import FakeVLLM
 from tests.runtime.test_workers import alive
 
 
@@ -56,11 +59,11 @@ def test_a_request_sets_every_sampling_field_and_asks_for_ids_and_logprobs():
     assert body["stop"] == ["x"] and body["stop_token_ids"] == [2]
 
 
-def choice(index: int, ids: list[int], reason: str = "stop") -> dict[str, Any]:
+def choice(index: int, ids: list[int], reason: str = "stop", logprob: float = -0.5) -> dict[str, Any]:
     return {
         "index": index,
         "token_ids": ids,
-        "logprobs": {"token_logprobs": [-0.5] * len(ids)},
+        "logprobs": {"token_logprobs": [logprob] * len(ids)},
         "finish_reason": reason,
     }
 
@@ -132,8 +135,9 @@ class Stub(BaseHTTPRequestHandler):
             srv.prompts.append(body.get("prompt"))
             status, answer = srv.script[min(srv.count - 1, len(srv.script) - 1)]
         time.sleep(srv.hang)
-        if answer == "choices":
-            answer = {"choices": [choice(j, [7, body["prompt"][0]]) for j in range(body["n"])]}
+        if answer == "choices":  # processed log-probs: 0 with top-k 1 (the start's probe)
+            lp = 0.0 if body.get("top_k") == 1 else -0.5
+            answer = {"choices": [choice(j, [7, body["prompt"][0]], logprob=lp) for j in range(body["n"])]}
         with srv.lock:
             srv.in_flight -= 1
         self.answer(status, answer)
@@ -188,12 +192,18 @@ def test_a_server_that_does_not_answer_fails_after_its_tries_within_their_timeou
     assert time.monotonic() - t0 < 1.0
 
 
-def test_a_gone_server_fails_at_once_naming_how_it_ended_and_its_log(stub):
+def test_a_gone_server_fails_at_once_naming_how_it_ended_and_its_log(stub, tmp_path):
     url = f"http://127.0.0.1:{stub.server_address[1]}"
     stub.shutdown()
     stub.server_close()
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "last.ckpt").write_bytes(b"")
     client = ServerClient(
-        url, RequestPolicy(retries=5, backoff_s=10), lambda: "was killed by SIGKILL", "its log: x.log"
+        url,
+        RequestPolicy(retries=5, backoff_s=10),
+        lambda: "was killed by SIGKILL",
+        "its log: x.log",
+        lambda: resume_hint(tmp_path / "checkpoints"),
     )
     t0 = time.monotonic()
     with pytest.raises(
@@ -231,6 +241,9 @@ def test_requests_in_flight_are_bounded_and_split_in_contiguous_shares():
     for s in (a, b):
         s.script, s.hang = [(200, "choices")], 0.2
     engine = url_engine(a, b, concurrency=2)
+    engine.start()
+    a.prompts.clear()  # the start's probe of each server
+    b.prompts.clear()
     try:
         out = engine.generate([[p] for p in range(12)], SamplingParams(4, seed=1))
     finally:
@@ -246,7 +259,7 @@ def test_requests_in_flight_are_bounded_and_split_in_contiguous_shares():
 
 
 def test_the_base_model_is_the_one_the_servers_serve_or_the_named_one(stub):
-    stub.models = ["base", "other"]
+    stub.models, stub.script = ["base", "other"], [(200, "choices")]
     engine = url_engine(stub)
     with pytest.raises(ServerError, match=r"name the run's model with rollout\.served_model_name"):
         engine.start()
@@ -254,6 +267,40 @@ def test_the_base_model_is_the_one_the_servers_serve_or_the_named_one(stub):
     named.start()
     assert named.base == "other" and named.current == "other"  # full fine-tuning samples the base
     named.shutdown()
+
+
+class TinyLM(torch.nn.Module):
+    """What a full fine-tuning version is written from: a state dict and a config."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(4, 512, bias=False)
+        self.config = SimpleNamespace(save_pretrained=lambda d: (Path(d) / "config.json").write_text("{}"))
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.head
+
+
+def test_full_finetuning_republished_versions_leave_one_directory(tmp_path: Path):
+    """A round-robin population republishes the version the servers hold at every member swap
+    (invalidate, then sync under the same step count): each reload leaves only the directory of
+    the live version, and a new version's sync removes the old one."""
+    fake = FakeVLLM()
+    engine = VLLMServerEngine(ServerSettings(urls=(fake.url,), lora=False, sync_dir=str(tmp_path)))
+    policy = SimpleNamespace(causal_lm=TinyLM(), adapter_name=None)
+    try:
+        engine.ensure_synced(policy, 0)
+        for _ in range(3):  # three member swaps
+            engine.invalidate()
+            engine.sync_weights(policy)
+            assert [d.name for d in engine.files.root.iterdir()] == [engine.held]
+        engine.ensure_synced(policy, 1)
+        assert [d.name for d in engine.files.root.iterdir()] == [engine.held]
+        assert engine.files_of(1) is not None and engine.vocab_size == 512
+        assert fake.count("/collective_rpc") == 5  # every sync reloaded the servers
+    finally:
+        engine.shutdown()
+        fake.close()
 
 
 def test_a_server_that_exits_while_starting_is_named_with_its_log(tmp_path: Path):
@@ -376,6 +423,19 @@ def test_members_side_by_side_on_servers_are_refused_at_start_up(tmp_path: Path)
     )
     validate(turns)
     assert not side_by_side(turns)
+
+
+def test_server_args_cannot_unset_processed_logprobs():
+    from rlhf_lightning.config.early import validate_rollout
+
+    for args in ("[--logprobs-mode,raw_logprobs]", "['--logprobs-mode=raw_logits']"):
+        cfg = compose_config(["rollout=vllm_server", f"rollout.server_args={args}"])
+        with pytest.raises(ConfigError, match=r"rollout\.server_args=.*processed_logprobs"):
+            validate_rollout(cfg.rollout)
+        with pytest.raises(ValueError, match=r"--logprobs-mode"):
+            server_command(LaunchSpec("/m", extra_args=tuple(cfg.rollout.server_args)), 1, None)
+    fine = LaunchSpec("/m", extra_args=("--logprobs-mode", "processed_logprobs"))
+    assert server_command(fine, 1, None).count("processed_logprobs") == 2
 
 
 def test_server_devices_and_urls_together_are_refused():
