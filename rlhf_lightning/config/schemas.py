@@ -149,7 +149,7 @@ class VLLMServerRolloutConfig(RolloutConfig):
     # filesystem when they run on other nodes); null: <run>/server_weights
     sync_dir: str | None = None
     max_concurrency: int = 32  # requests in flight per server
-    request_timeout_s: float = 300.0  # each try of a request (no socket read waits longer)
+    request_timeout_s: float = 300.0  # each try of a request, as a whole (connecting, sending, every read)
     request_retries: int = 3  # tries after the first, with exponential backoff (a gone server: none)
     server_start_timeout_s: float = 600.0  # the longest wait for the servers' /health at start
     max_loras: int = 2  # servers the run starts: LoRA adapters one batch may hold
