@@ -9,6 +9,7 @@ preference and RL stages all train on the same token layout. Assistant tokens ar
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -16,9 +17,10 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from rlhf_lightning.config.errors import ConfigError
 from rlhf_lightning.data.prompts import eval_row_loader, per_rank_batch
 from rlhf_lightning.data.resumable import resumable_loader
-from rlhf_lightning.envs.files import read_rows, require_columns, split_rows
+from rlhf_lightning.envs.files import read_rows, split_rows
 from rlhf_lightning.rollout.harness import ChatFormatter
 from rlhf_lightning.rollout.trajectory import Trajectory, TrajectoryBatch, collate, segment_positions
 
@@ -62,6 +64,65 @@ def encode_conversation(messages: list[Message], formatter: ChatFormatter, group
 def as_messages(prompt: Any, reply: str | None = None) -> list[Message]:
     msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     return msgs + ([{"role": "assistant", "content": reply}] if reply is not None else [])
+
+
+# The columns of a row and the ``algo.*_key`` fields that name them.
+COLUMN_FIELDS = {
+    "messages": "algo.messages_key",
+    "prompt": "algo.prompt_key",
+    "completion": "algo.completion_key",
+    "chosen": "algo.chosen_key",
+    "rejected": "algo.rejected_key",
+}
+
+
+def check_rows(rows: list[dict[str, Any]], kind: str, keys: dict[str, str], path: str, field: str) -> None:
+    """Every row has the columns ``kind`` reads (SFT: ``messages``, else ``prompt`` and
+    ``completion``, as the first row has them; preference: ``prompt``, ``chosen``, ``rejected``),
+    and a preference pair's replies differ. Raises :class:`ConfigError` naming the ``algo.*_key``
+    field and the row's columns (a missing column was a bare ``KeyError``; an identical pair
+    trains nothing)."""
+    if kind == "preference":
+        needed, hint = (
+            ["prompt", "chosen", "rejected"],
+            "algo.prompt_key, algo.chosen_key and algo.rejected_key",
+        )
+    else:
+        needed = ["messages"] if keys["messages"] in rows[0] else ["prompt", "completion"]
+        hint = "algo.messages_key (chat rows), or algo.prompt_key and algo.completion_key"
+    for i, row in enumerate(rows):
+        for name in needed:
+            if keys[name] not in row:
+                raise ConfigError(
+                    COLUMN_FIELDS[name],
+                    keys[name],
+                    f"a column of every row of {path} ({field}): row {i} has {sorted(row)}; set {hint} "
+                    "to the file's column names",
+                )
+        if kind == "preference" and row[keys["chosen"]] == row[keys["rejected"]]:
+            raise ConfigError(
+                field,
+                path,
+                f"row {i} has the same chosen and rejected reply ({str(row[keys['chosen']])[:60]!r}): a "
+                "preference pair needs two different replies (it trains nothing); remove the row",
+            )
+
+
+def warn_shared_rows(train: list[dict[str, Any]], held_out: list[dict[str, Any]], path: str) -> int:
+    """Warn when held-out rows also appear among the training rows (duplicates in the file, or
+    an eval file that repeats training rows): their eval loss is then not a held-out one.
+    Returns how many held-out rows are shared."""
+    seen = {json.dumps(row, sort_keys=True, default=str) for row in train}
+    shared = sum(json.dumps(row, sort_keys=True, default=str) in seen for row in held_out)
+    if shared:
+        log.warning(
+            "%d of %d held-out rows (%s) are also training rows (duplicate rows): the eval metrics count "
+            "them as held out; remove the duplicates",
+            shared,
+            len(held_out),
+            path,
+        )
+    return shared
 
 
 class _RowDataset(Dataset):
@@ -192,15 +253,12 @@ class OfflineDataModule(L.LightningDataModule):
     ) -> None:
         super().__init__()
         rows = read_rows(path, "algo.data_path")
+        check_rows(rows, kind, keys, path, "algo.data_path")
         eval_rows = read_rows(eval_path, "algo.eval_data_path") if eval_path else None
-        if kind == "preference":
-            required = [keys["prompt"], keys["chosen"], keys["rejected"]]
-        else:
-            required = (
-                [keys["messages"]] if keys["messages"] in rows[0] else [keys["prompt"], keys["completion"]]
-            )
-        require_columns(rows, required, path)
+        if eval_rows is not None and eval_path is not None:
+            check_rows(eval_rows, kind, keys, eval_path, "algo.eval_data_path")
         self.train_rows, self.eval_rows = split_rows(rows, eval_rows, eval_fraction)
+        warn_shared_rows(self.train_rows, self.eval_rows, eval_path or path)
         cls = PreferenceDataset if kind == "preference" else SFTDataset
         self.train_set = cls(self.train_rows, formatter, keys)
         self.eval_set = cls(self.eval_rows, formatter, keys)
