@@ -241,6 +241,7 @@ def build_policy(
         return _full_policy(model, need_reference, share)
     for p in model.parameters():
         p.requires_grad_(False)
+    check_lora_targets(model, lora_target_modules)
     config = _lora_config(lora_r, lora_alpha, lora_dropout, lora_target_modules)
     return _peft_policy(
         model,
@@ -288,6 +289,35 @@ def _peft_policy(
         critic_adapter=CRITIC if with_critic else None,
         value_head=value_head,
     )
+
+
+def linear_module_names(model: torch.nn.Module) -> list[str]:
+    """The distinct last names of ``model``'s linear layers (what ``target_modules`` matches)."""
+    return sorted(
+        {
+            name.rsplit(".", 1)[-1]
+            for name, m in model.named_modules()
+            if name and (isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D")
+        }
+    )
+
+
+def check_lora_targets(model: torch.nn.Module, target: Any) -> None:
+    """Each name of a ``model.lora.target_modules`` list names modules of ``model`` (as PEFT
+    matches them: the full name or its last parts); a name matching none is refused with the
+    model's linear module names (PEFT refused only when no name matched, with no field named)."""
+    if isinstance(target, str):  # all-linear, or a regex PEFT matches itself
+        return
+    target = [str(t) for t in target]  # a list, or Hydra's ListConfig
+    names = [n for n, _ in model.named_modules() if n]
+    missing = [t for t in target if not any(n == t or n.endswith(f".{t}") for n in names)]
+    if missing:
+        raise ConfigError(
+            "model.lora.target_modules",
+            target,
+            f"names of the model's modules: {', '.join(missing)} match none; its linear modules are "
+            f"{', '.join(linear_module_names(model))} (or all-linear)",
+        )
 
 
 def _full_policy(model: PreTrainedModel, need_reference: bool, share: bool) -> Policy:
