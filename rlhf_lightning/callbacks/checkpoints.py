@@ -3,6 +3,7 @@ adapters), ``last.ckpt``, and the best one by ``checkpoint.monitor`` (``best.ckp
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -46,8 +47,16 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
+        full = getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "unexpected pos" in str(err)
+        if full:  # torch's own message ("unexpected pos ...") names neither the file nor the cause
+            free = shutil.disk_usage(path.parent).free
+            raise OSError(
+                errno.ENOSPC,
+                f"checkpoint {path} not written: no space left on its filesystem ({free / 2**20:.0f} MiB "
+                f"free now; {type(err).__name__}: {err}); free disk space or lower checkpoint.keep_last",
+            ) from err
         raise
 
 
