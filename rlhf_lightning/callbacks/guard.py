@@ -24,6 +24,7 @@ from typing import Any
 import lightning as L
 
 from rlhf_lightning.callbacks.signals import stop_after_this_step
+from rlhf_lightning.config.errors import ConfigError
 from rlhf_lightning.learner.records import StepSummary
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,8 @@ class Guard(L.Callback):
         stop_on_collapse: bool = False,
         max_nonfinite_steps: int = 3,
     ) -> None:
+        if patience < 1:  # 0: every step, healthy or not, would already count as a collapse
+            raise ConfigError("guard.patience", patience, ">= 1 steps in a row a collapse signal must hold")
         self.ckpt_path = Path(ckpt_dir) / "last.ckpt"
         self.patience, self.empty_frac = patience, empty_frac
         self.stop_on_collapse, self.max_nonfinite_steps = stop_on_collapse, max_nonfinite_steps
