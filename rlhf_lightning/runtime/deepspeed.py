@@ -107,7 +107,10 @@ def deepspeed_strategy(
 
         def lightning_module_state_dict(self) -> dict[str, Any]:
             module: Any = self.lightning_module
-            keep = module.checkpoint_keys()
+            keys = getattr(module, "checkpoint_keys", None)
+            keep = (
+                keys() if keys is not None else {n for n, p in module.named_parameters() if p.requires_grad}
+            )
             named = [(n, p) for n, p in module.named_parameters() if n in keep]
             with gathered_params([p for _, p in named]):
                 return {n: p.detach().cpu().clone() for n, p in named}
