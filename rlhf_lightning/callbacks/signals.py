@@ -2,6 +2,8 @@
 pre-emption warning, ``#SBATCH --signal=USR1@120``) and SIGINT (Ctrl-C) let the step in progress
 finish, save a checkpoint of it, and end the run; the CLI then exits with 128 + the signal's
 number. A second Ctrl-C interrupts at once (no checkpoint of the step in progress; exit code 130).
+During an evaluation run on its own (before or after training: :func:`validate_or_stop`) the
+same signals end the evaluation after the batch in progress and the run with the same code.
 
 A signal may reach one rank only: the ranks agree at each step's end (one all-reduce) and stop
 together.
@@ -9,6 +11,7 @@ together.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
@@ -17,12 +20,33 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 
 from rlhf_lightning.runtime.distributed import is_distributed
 
 log = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+class StoppedBySignal(Exception):
+    """Raised between the batches of an evaluation run on its own (``trainer.validate``) after a
+    stop signal: the evaluation ends there (:func:`validate_or_stop` catches it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name} during the evaluation")
+        self.signum = signum
+
+
+def validate_or_stop(trainer: L.Trainer, module: L.LightningModule, dm: Any, stop: StopOnSignal) -> int:
+    """``trainer.validate`` (outside the fit); 0, or 128 + the number of the stop signal that
+    arrived during it (the evaluation then ended after the batch in progress)."""
+    with contextlib.suppress(StoppedBySignal):
+        trainer.validate(module, datamodule=dm, verbose=False)
+    if stop.received and stop.stopped_by is None:
+        stop.stopped_by = stop.received
+        log.warning("stopped by %s during the evaluation", signal.Signals(stop.received).name)
+    return 128 + stop.stopped_by if stop.stopped_by is not None else 0
 
 
 def stop_after_this_step(trainer: L.Trainer) -> None:
@@ -42,6 +66,7 @@ class StopOnSignal(L.Callback):
         self.stopped_by: int | None = None  # the signal that ended the run
         self.interrupted = False  # a second Ctrl-C stopped the run at once
         self._previous: dict[int, Any] = {}
+        self._evaluating = False  # in an evaluation on its own, not in the fit
 
     def _handle(self, signum: int, frame: Any) -> None:
         if signum == signal.SIGINT and self.received == signal.SIGINT:
@@ -49,8 +74,9 @@ class StopOnSignal(L.Callback):
             raise KeyboardInterrupt  # the second Ctrl-C: stop now
         self.received = signum
         log.warning(
-            "received %s: the run stops after the step in progress, with a checkpoint",
+            "received %s: the run stops after the %s in progress",
             signal.Signals(signum).name,
+            "evaluation batch" if self._evaluating else "step, with a checkpoint of it",
         )
 
     def pressed_twice(self, err: BaseException) -> bool:
@@ -61,18 +87,39 @@ class StopOnSignal(L.Callback):
         return self.interrupted or (isinstance(err, KeyboardInterrupt) and self.received == signal.SIGINT)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._install()
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.state.fn == TrainerFn.VALIDATING:  # an evaluation on its own (not in the fit)
+            self._evaluating = True
+            self._install()
+
+    def _install(self) -> None:
         # After Lightning's own handlers (registered when the run starts), which it restores later.
-        if threading.current_thread() is not threading.main_thread():
+        if threading.current_thread() is not threading.main_thread() or self._previous:
             return
         for sig in STOP_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+    def _agreed(self, trainer: L.Trainer, pl_module: L.LightningModule) -> int:
+        """The signal received on any rank (one all-reduce with several processes), else 0."""
         received = self.received
-        if is_distributed(trainer.world_size):  # every rank stops at the same step
+        if is_distributed(trainer.world_size):  # every rank stops at the same batch
             flag = torch.tensor([received], device=pl_module.device)
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
             received = int(flag.item())
+        return received
+
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.state.fn != TrainerFn.VALIDATING:
+            return  # an evaluation inside the fit: the step's end decides
+        received = self._agreed(trainer, pl_module)
+        if received:
+            self.received = received
+            raise StoppedBySignal(received)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        received = self._agreed(trainer, pl_module)
         if not received or self.stopped_by is not None:
             return
         trainer.save_checkpoint(self.ckpt_path, weights_only=False)
@@ -88,6 +135,7 @@ class StopOnSignal(L.Callback):
             )
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._evaluating = False
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}

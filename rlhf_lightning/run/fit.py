@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlhf_lightning.callbacks.checkpoints import AtomicCheckpointIO
 from rlhf_lightning.callbacks.objective import optimized_value
+from rlhf_lightning.callbacks.signals import validate_or_stop
 from rlhf_lightning.config import register_configs
 from rlhf_lightning.run.factories import (  # noqa: F401  (build, training_reward, population_callback: the API)
     RunCallbacks,
@@ -300,7 +301,9 @@ def _train(
     by it, with a checkpoint; 1: stopped by the guard)."""
     exit_code = 0
     if cfg.eval.before_training and not ckpt_path:
-        trainer.validate(module, datamodule=dm, verbose=False)
+        exit_code = validate_or_stop(trainer, module, dm, cbs.stop)
+        if exit_code:  # a stop signal during it: nothing trained, nothing to save
+            return exit_code
     # Checkpoints hold tensors and plain data only: loaded without unpickling code. (A second
     # Ctrl-C inside the fit ends in Lightning's exit code 1, which ``_fit`` turns into 130.)
     trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path, weights_only=True)
@@ -314,7 +317,7 @@ def _train(
                 Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt", weights_only=False
             )
         if cfg.eval.at_end and cast(Any, module).last_eval_step != trainer.global_step:
-            trainer.validate(module, datamodule=dm, verbose=False)
+            exit_code = validate_or_stop(trainer, module, dm, cbs.stop)  # the checkpoint is saved
     if cbs.adapter_export is not None:  # the policy as the fit left it (a population: its best member)
         cbs.adapter_export.export_final(trainer, module)
     return exit_code

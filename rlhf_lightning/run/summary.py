@@ -20,7 +20,8 @@ def eval_rows(metrics: Metrics) -> list[tuple[str, float, float]]:
 
 def summary_lines(output_dir: Path, wall_s: float, steps: int) -> list[str]:
     """The end-of-run table, one string per line (plain text, fixed-width columns)."""
-    rows = eval_rows(read_metrics(output_dir))
+    logged = (output_dir / "metrics.csv").is_file()  # not when a run stopped before logging anything
+    rows = eval_rows(read_metrics(output_dir)) if logged else []
     width = max([len("metric"), *(len(r[0]) for r in rows)])
     lines = [f"{'metric':<{width}}  {'before':>8}  {'after':>8}  {'change':>8}"]
     lines += [f"{k:<{width}}  {a:>8.4f}  {b:>8.4f}  {b - a:>+8.4f}" for k, a, b in rows]
@@ -42,7 +43,7 @@ def write_plot(output_dir: Path, loggers: list[Any], step: int) -> Path | None:
     warning) when matplotlib is missing or nothing was logged that can be plotted."""
     try:
         path = plot_runs([output_dir], output_dir / PLOT_FILE)
-    except (ImportError, ValueError) as err:
+    except (ImportError, ValueError, FileNotFoundError) as err:  # no metrics.csv: nothing logged
         log.warning("no %s: %s", PLOT_FILE, err)
         return None
     for logger in loggers:
