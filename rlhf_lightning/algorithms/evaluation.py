@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from rlhf_lightning.algorithms.common import ModuleMixin
+from rlhf_lightning.config.errors import ConfigError
 from rlhf_lightning.data.prompts import PAD_ROW
 from rlhf_lightning.models.sharding import gathered
 from rlhf_lightning.rollout.engine import SamplingParams
@@ -118,6 +119,7 @@ class RolloutEvaluation(ModuleMixin):
     _eval_outputs: dict[str, list[torch.Tensor]]  # per-example values of subclasses (each counted once)
     _eval_totals: dict[str, torch.Tensor] | None = None  # [sum, count] per metric, this rank
     _rng_before_eval: dict[str, Any] | None = None
+    _eval_info_keys: set[str]  # the info keys this rank's evaluation episodes returned
 
     def rollout(
         self,
@@ -170,10 +172,11 @@ class RolloutEvaluation(ModuleMixin):
     def on_validation_epoch_start(self) -> None:
         self._eval_outputs = {}
         self._eval_totals = {}
+        self._eval_info_keys = set()
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         if self._eval_totals is None:  # called outside a validation epoch
-            self._eval_totals = {}
+            self._eval_totals, self._eval_info_keys = {}, set()
         rows = [r for r in batch.tolist() if r != PAD_ROW]
         padding = not rows  # this rank has no row left: the same rollouts, on row 0, uncounted
         modes = []
@@ -189,12 +192,32 @@ class RolloutEvaluation(ModuleMixin):
                 add_total(self._eval_totals, metric, values, counted=not padding)
             for key in self.eval_info_metrics:  # keys from the config: the same on every rank
                 add_total(self._eval_totals, f"eval/env_{key}_{name}", info_values(result, key), not padding)
+            if self.eval_info_metrics:  # for the message when a configured key never comes
+                self._eval_info_keys.update(k for t in result.trajectories for info in t.infos for k in info)
+
+    def check_info_metrics(self, metrics: dict[str, torch.Tensor]) -> None:
+        """Refuse an ``eval.info_metrics`` key that no evaluation episode returned as a number (a
+        typo would otherwise log nothing, silently). ``metrics`` are global: every rank decides
+        the same."""
+        ran = [mode for mode in ("greedy", "sampled") if f"eval/accuracy_{mode}" in metrics]
+        missing = [
+            k for k in self.eval_info_metrics if ran and all(f"eval/env_{k}_{m}" not in metrics for m in ran)
+        ]
+        if missing:
+            seen = sorted(getattr(self, "_eval_info_keys", set()))
+            raise ConfigError(
+                "eval.info_metrics",
+                list(self.eval_info_metrics),
+                f"info keys the env returns as numbers: {', '.join(missing)} came in no evaluation episode "
+                f"(the env's step infos held {', '.join(seen) or 'nothing'}); fix or drop them",
+            )
 
     def on_validation_epoch_end(self) -> None:
         totals = self._eval_totals if self._eval_totals is not None else {}
         for key, chunks in self._eval_outputs.items():
             add_total(totals, key, torch.cat(chunks))
         metrics = global_means(totals, self.sum_over_ranks)
+        self.check_info_metrics(metrics)
         self.log_metrics(metrics)
         for key, short in (("eval/accuracy_greedy", "acc"), ("eval/accuracy_sampled", "acc_sampled")):
             if key in metrics:

@@ -71,6 +71,7 @@ def check_sections(cfg: DictConfig) -> None:
     if cfg.model.chat_template is not None:
         check_chat_template(str(cfg.model.chat_template))
     check_model_fit(cfg)
+    check_monitor(cfg)
 
 
 def validate_guard(g: DictConfig) -> None:
@@ -97,6 +98,35 @@ def validate_checkpoint(c: DictConfig) -> None:
         ">= 1 step checkpoints kept, or -1 (keep all)",
     )
     check(c.monitor_mode in ("max", "min"), "checkpoint.monitor_mode", c.monitor_mode, "max or min")
+
+
+def rollout_eval_metrics(ev: DictConfig) -> list[str]:
+    """Every ``eval/`` metric the built-in rollout families can log with these ``eval`` settings
+    (``algorithms/evaluation.py``), whichever of greedy and sampled is on: accuracy and return per
+    mode, ``env_<key>_<mode>`` per ``eval.info_metrics`` key, ``pass@k`` (k = 1, 2, 4, ... and
+    ``eval.num_samples``) with several samples."""
+    names = [f"{m}_{mode}" for m in ("accuracy", "return") for mode in ("greedy", "sampled")]
+    names += [f"env_{k}_{mode}" for k in ev.info_metrics for mode in ("greedy", "sampled")]
+    n = ev.num_samples
+    if n > 1:
+        names += [f"pass@{k}" for k in sorted({*(2**i for i in range(n.bit_length()) if 2**i <= n), n})]
+    return [f"eval/{name}" for name in names]
+
+
+def check_monitor(cfg: DictConfig) -> None:
+    """``checkpoint.monitor`` under ``eval/`` is a metric a built-in rollout family logs (other
+    names, and other families' metrics, are not known before the run: BestCheckpoint warns when
+    one never comes)."""
+    monitor = cfg.checkpoint.monitor
+    if not monitor or not str(monitor).startswith("eval/") or cfg.algo.get("module") not in ("grpo", "ppo"):
+        return
+    known = rollout_eval_metrics(cfg.eval)
+    check(
+        monitor in known,
+        "checkpoint.monitor",
+        monitor,
+        f"a metric this run logs: one of {', '.join(known)} (or a training metric, or null for no best.ckpt)",
+    )
 
 
 def validate_precision(precision: Any) -> None:

@@ -166,3 +166,29 @@ def test_kv_bytes_per_token_from_a_config():
     assert kv_bytes_per_token({**qwen_like, "torch_dtype": "bfloat16"}, "auto") == 2 * 24 * 2 * 64 * 2
     assert kv_bytes_per_token({**qwen_like, "head_dim": 128}, "float32") == 2 * 24 * 2 * 128 * 4
     assert kv_bytes_per_token(qwen_like, "auto") is None  # dtype unknown: nothing is checked
+
+
+@pytest.mark.parametrize(
+    ("overrides", "ok"),
+    [
+        ("checkpoint.monitor=eval/bogus", False),
+        ("checkpoint.monitor=eval/pass@4", False),  # one sample per problem: no pass@k
+        ("checkpoint.monitor=eval/pass@4 eval.num_samples=6", True),
+        ("checkpoint.monitor=eval/pass@6 eval.num_samples=6", True),
+        ("checkpoint.monitor=eval/pass@3 eval.num_samples=6", False),
+        ("checkpoint.monitor=eval/env_valid_move_sampled eval.info_metrics=[valid_move]", True),
+        ("checkpoint.monitor=eval/return_sampled", True),
+        ("checkpoint.monitor=rollout/reward_mean", True),  # a training metric: known only at run time
+        ("algo=sft checkpoint.monitor=eval/loss", True),  # another family's eval metrics
+    ],
+)
+def test_a_checkpoint_monitor_the_rollout_evaluation_never_logs_is_refused(overrides, ok):
+    cfg = compose_config(overrides.split())
+    if ok:
+        early_checks(cfg)
+        return
+    with pytest.raises(
+        ConfigError,
+        match=r"checkpoint\.monitor='eval/.*': a metric this run logs: one of eval/accuracy_greedy",
+    ):
+        early_checks(cfg)
