@@ -34,6 +34,7 @@ from rlhf_lightning.run.rundir import (
     claim_run_dir,
     clear_run,
     find_resumable,
+    follow_resumed_run,
     holds_run,
     process_rank,
     refuse_reuse,
@@ -106,6 +107,7 @@ def prepare_run_dir(cfg: DictConfig) -> tuple[Path, str | None]:
     but the lock: ``config.yaml`` follows once the checkpoint has loaded (:class:`SaveRunConfig`)."""
     explicit = bool(cfg.output_dir)
     out = output_dir_for(cfg)
+    launch_dir = None  # resume=true without output_dir: the directory Hydra made for this launch
     ckpt = cfg.ckpt_path
     if cfg.resume and not ckpt:
         if not explicit:
@@ -113,7 +115,7 @@ def prepare_run_dir(cfg: DictConfig) -> tuple[Path, str | None]:
             # same config in any earlier sweep of this name; a single run, its newest sibling.
             multirun = bool(hydra_job().get("multirun"))
             root, pattern = (out.parent.parent, "*/*") if multirun else (out.parent, "*")
-            out, explicit = find_resumable(root, cfg, exclude=out, pattern=pattern), True
+            launch_dir, out, explicit = out, find_resumable(root, cfg, exclude=out, pattern=pattern), True
         last = out / "checkpoints" / "last.ckpt"
         check(last.is_file(), "resume", True, f"a checkpoint at {last} (output_dir names the run to resume)")
         ckpt = str(last)
@@ -134,6 +136,8 @@ def prepare_run_dir(cfg: DictConfig) -> tuple[Path, str | None]:
         return out, ckpt
     out = claim_run_dir(out, explicit=explicit)
     remove_partials(out)
+    if launch_dir is not None:
+        follow_resumed_run(launch_dir, out)
     if cfg.overwrite and holds_run(out):
         clear_run(out)
     pass_output_dir_to_other_ranks(out)

@@ -10,10 +10,13 @@ refuse_reuse    an explicit ``output_dir`` holding an earlier run is refused unl
                 resumes it (``resume=true``) or replaces it (``overwrite=true``)
 clear_run       ``overwrite=true``: the earlier run's files removed (only the files a run writes)
 remove_partials temporary files a killed save left (``.<name>.*.tmp``), once the run holds the lock
+follow_resumed_run  ``resume=true`` without ``output_dir``: Hydra's job log moves to the resumed
+                run's directory, and the launch's own (empty) directory is removed
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -169,6 +172,34 @@ def remove_partials(path: Path) -> None:
             if p.is_file() and not p.is_symlink():
                 log.info("removing %s, a partial file left by an interrupted save", p)
                 p.unlink(missing_ok=True)
+
+
+def follow_resumed_run(launch_dir: Path, run_dir: Path) -> None:
+    """``resume=true`` without ``output_dir`` continues an earlier run's directory: the file logs
+    Hydra opened in the directory it made for this launch (``train.log``) move to ``run_dir``
+    (appended to that run's), and the launch's directory, then empty, is removed rather than left
+    as an orphan holding only this run's log."""
+    if launch_dir.resolve() == run_dir.resolve():
+        return
+    for handler in logging.getLogger().handlers:
+        if not isinstance(handler, logging.FileHandler):
+            continue
+        old = Path(handler.baseFilename)
+        if old.parent != launch_dir.resolve() or handler.mode == "w":
+            continue
+        new = run_dir.resolve() / old.name
+        handler.acquire()
+        try:
+            handler.close()  # reopened (mode "a") at the next record, at its new place
+            if old.is_file():
+                with old.open("rb") as src, new.open("ab") as dst:
+                    shutil.copyfileobj(src, dst)
+                old.unlink()
+            handler.baseFilename = os.fspath(new)
+        finally:
+            handler.release()
+    with contextlib.suppress(OSError):  # not empty: something else was written there; left as it is
+        launch_dir.rmdir()
 
 
 def release_run_dir(path: Path) -> None:
