@@ -194,6 +194,9 @@ class RewardConfig:
 
     sources: list[str] = field(default_factory=lambda: ["env"])  # env | function | model
     fn: Any = None  # function: a dotted path (or a list): fn(prompts, completions, **columns) -> scores
+    # function: a call (one batch) running longer is stopped and fails the run; the function then
+    # runs in a worker process (it must pickle). null: in the trainer's process, no limit
+    fn_timeout_s: float | None = 300.0
     model_path: str | None = None  # model: an AutoModelForSequenceClassification directory or Hub id
     model_batch_size: int = 32
     model_max_len: int = 1024

@@ -16,6 +16,7 @@ import copy
 import inspect
 import math
 import numbers
+import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -24,6 +25,7 @@ import torch
 from hydra.utils import get_object
 
 from rlhf_lightning.config.errors import ConfigError
+from rlhf_lightning.runtime.workers import CallTimeout, shared_pool
 
 SOURCES = ("env", "function", "model")
 NORMALIZE = ("none", "batch")
@@ -31,6 +33,8 @@ NORMALIZE = ("none", "batch")
 # name is not passed (the function's own argument wins).
 RESERVED = ("prompts", "completions", "replies")
 SIGNATURE = "fn(prompts, completions, **kwargs) -> list[float]"
+FN_TIMEOUT_S = 300.0  # reward.fn_timeout_s's default: one call (a whole batch) past it is stopped
+REWARD_POOL = "reward-fn"  # the shared worker pool reward functions with a time limit run in
 # Batch standardisation: (x - mean) / (std + STD_EPS), std unbiased (n - 1), as torch.std.
 STD_EPS = 1e-6
 
@@ -88,11 +92,18 @@ class FunctionReward:
     A function without ``**kwargs`` gets only the keywords it names. Every call gets deep copies
     of the prompts and columns: a function that mutates them cannot change the dataset's rows,
     other episodes or later steps.
+
+    With ``timeout_s`` (``reward.fn_timeout_s``) each call runs in a worker process, like env
+    steps with ``env.step_timeout_s`` (:class:`~rlhf_lightning.runtime.workers.WorkerPool`): one
+    that has not returned after ``timeout_s`` seconds is stopped (its worker killed with what it
+    started) and fails the run with an error naming the limit. The function must then be
+    picklable (a module-level function or class) and sees none of the trainer's in-process
+    state. ``None``: called in this process, without a limit.
     """
 
     normalize = "none"
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, timeout_s: float | None = None) -> None:
         try:
             fn = get_object(path)
         except Exception as err:
@@ -105,6 +116,22 @@ class FunctionReward:
         self.fn: Callable[..., Any] = fn
         self.name = getattr(fn, "__name__", path.rsplit(".", 1)[-1])
         self.path = path
+        if timeout_s is not None and not (isinstance(timeout_s, int | float) and timeout_s > 0):
+            raise ConfigError(
+                "reward.fn_timeout_s", timeout_s, "a time limit > 0 seconds, or null (no limit)"
+            )
+        if timeout_s is not None:
+            try:
+                pickle.dumps(fn)
+            except Exception as err:
+                raise ConfigError(
+                    "reward.fn",
+                    path,
+                    f"a picklable function (module level) to run in a worker process under "
+                    f"reward.fn_timeout_s={timeout_s:g}; pickling failed: {err}. Or set "
+                    "reward.fn_timeout_s=null to call it in the trainer's process, without a limit",
+                ) from None
+        self.timeout_s = timeout_s
 
     def arguments(self, episodes: Sequence[Episode]) -> dict[str, list[Any]]:
         """The keyword arguments of one call (fresh copies: see the class docstring)."""
@@ -134,14 +161,35 @@ class FunctionReward:
 
     def score(self, episodes: Sequence[Episode], device: Any) -> list[float]:
         kwargs = self.arguments(episodes)
+        what = f"reward.fn={self.path} (the reward function {self.name})"
+        if self.timeout_s is None:
+            try:
+                out = self.fn(**kwargs)
+            except Exception as err:
+                raise RuntimeError(
+                    f"{what} raised {type(err).__name__}: {err} while scoring {len(episodes)} completions"
+                ) from err
+            return checked_scores(out, len(episodes), f"reward.fn={self.path}")
         try:
-            out = self.fn(**kwargs)
-        except Exception as err:
+            outcome = shared_pool(REWARD_POOL, 1).call(self.fn, (), kwargs, timeout_s=self.timeout_s)
+        except TypeError as err:  # an argument (an env column) that cannot be pickled
             raise RuntimeError(
-                f"reward.fn={self.path} (the reward function {self.name}) raised "
-                f"{type(err).__name__}: {err} while scoring {len(episodes)} completions"
+                f"{what} cannot run in a worker process (reward.fn_timeout_s={self.timeout_s:g}): "
+                f"{err}. Set reward.fn_timeout_s=null to call it in the trainer's process"
             ) from err
-        return checked_scores(out, len(episodes), f"reward.fn={self.path}")
+        problem = outcome.error
+        if isinstance(problem, CallTimeout):
+            raise RuntimeError(
+                f"{what} did not return within {self.timeout_s:g} s (reward.fn_timeout_s) while "
+                f"scoring {len(episodes)} completions; it was stopped. Make it faster, raise "
+                "reward.fn_timeout_s, or set it to null (no limit)"
+            )
+        if problem is not None:
+            raise RuntimeError(
+                f"{what} raised {type(problem).__name__}: {problem} while scoring {len(episodes)} completions "
+                "(in a worker process: reward.fn_timeout_s)"
+            ) from problem
+        return checked_scores(outcome.output, len(episodes), f"reward.fn={self.path}")
 
 
 def reward_value(reward: Any) -> float | None:
@@ -300,8 +348,10 @@ def build_reward(
     fns: Any = None,
     weights: Any = None,
     model_kwargs: dict[str, Any] | None = None,
+    fn_timeout_s: float | None = FN_TIMEOUT_S,
 ) -> CombinedReward | None:
-    """The training reward for ``reward.sources``; None for the env alone at weight 1 (no work)."""
+    """The training reward for ``reward.sources``; None for the env alone at weight 1 (no work).
+    ``fn_timeout_s``: each reward function's time limit (:class:`FunctionReward`)."""
     sources = list(sources)
     bad = [s for s in sources if s not in SOURCES]
     if bad or not sources or len(set(sources)) != len(sources):
@@ -321,7 +371,7 @@ def build_reward(
         paths = [fns] if isinstance(fns, str) else list(fns or [])
         if not paths:
             raise ConfigError("reward.fn", fns, "the dotted path of a reward function (or a list of them)")
-        components += [FunctionReward(p) for p in paths]
+        components += [FunctionReward(p, fn_timeout_s) for p in paths]
     elif fns:
         raise ConfigError("reward.fn", fns, "used only when reward.sources includes function")
     if "model" in sources:

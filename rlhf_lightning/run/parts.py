@@ -172,7 +172,7 @@ def training_reward(rw: DictConfig) -> CombinedReward | None:
         "offload": rw.offload,
         "dtype": rw.model_dtype,
     }
-    return build_reward(list(rw.sources), fns, weights, model_kwargs)
+    return build_reward(list(rw.sources), fns, weights, model_kwargs, rw.fn_timeout_s)
 
 
 @dataclass(frozen=True)

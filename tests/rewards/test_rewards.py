@@ -117,7 +117,14 @@ def metrics_rows(run_dir: Path) -> list[dict[str, str]]:
 def test_train_with_a_user_reward_function(tmp_path, monkeypatch):
     fn = user_module(tmp_path, monkeypatch)
     cfg = compose_config(
-        [*FAST, "reward=function", f"reward.fn={fn}", "trainer.max_steps=3", "checkpoint.every_n_steps=0"],
+        [
+            *FAST,
+            "reward=function",
+            f"reward.fn={fn}",
+            "reward.fn_timeout_s=null",  # in this process: the test reads the calls it recorded
+            "trainer.max_steps=3",
+            "checkpoint.every_n_steps=0",
+        ],
         output_dir=tmp_path / "run",
     )
     run(cfg)
