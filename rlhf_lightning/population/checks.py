@@ -279,7 +279,12 @@ def validate_population(p: DictConfig, spec: Any, cfg: DictConfig) -> None:
         )
     check(p.fitness in FITNESS, "population.fitness", p.fitness, f"one of {', '.join(FITNESS)}")
     check(p.eval_rows > 0, "population.eval_rows", p.eval_rows, "> 0")
-    check(p.tournament_size >= 1, "population.tournament_size", p.tournament_size, ">= 1")
+    check(
+        1 <= p.tournament_size <= p.size,
+        "population.tournament_size",
+        p.tournament_size,
+        f"in [1, population.size={p.size}] (members drawn for each tournament, without replacement)",
+    )
     check(
         0.0 < p.truncation <= 0.5, "population.truncation", p.truncation, "in (0, 0.5] (the share replaced)"
     )
@@ -318,6 +323,8 @@ def validate_population(p: DictConfig, spec: Any, cfg: DictConfig) -> None:
         )
     algo = cast(dict[str, Any], OmegaConf.to_container(cfg.algo, resolve=True))
     validate_space(mutate, algo, cfg.model.finetune, configured_world_size(cfg))
+    if batched:  # after the mutation space: its group-size rules name the cause more precisely
+        check_population_steps(p.size, cfg)
 
 
 def side_by_side(cfg: DictConfig) -> bool:
@@ -361,6 +368,34 @@ def validate_side_by_side(size: int, cfg: DictConfig) -> None:
         "vllm_server",
         f"hf or vllm with {where}: an inference server samples one adapter per request, not one per "
         "row; set population.batched=false (members take turns, round-robin)",
+    )
+
+
+def check_population_steps(size: int, cfg: DictConfig) -> None:
+    """Side by side, ``trainer.max_steps`` counts member updates: a whole number of population
+    steps, each ``size`` members x the optimizer steps of one batch. The members' bank checks
+    it again at fit start; here it is refused before any model loads, when ``trainer.devices``
+    (a count, or ``auto``) gives the world size."""
+    import torch
+
+    from rlhf_lightning.learner.plan import UpdatePlan
+
+    devices, max_steps = cfg.trainer.devices, cfg.trainer.max_steps
+    if devices in ("auto", -1):  # Lightning's: every CUDA device, or one process on the CPU
+        cuda = cfg.trainer.accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
+        devices = torch.cuda.device_count() if cuda else 1
+    if not isinstance(devices, int) or devices < 1 or max_steps <= 0:
+        return
+    per = (
+        UpdatePlan.from_hp(cast(Any, cfg.algo), devices * cfg.trainer.num_nodes).optimizer_steps_per_batch()
+        * size
+    )
+    check(
+        max_steps % per == 0,
+        "trainer.max_steps",
+        max_steps,
+        f"it counts member updates: each population step takes {per} ({size} members x {per // size} "
+        f"optimizer steps); set a multiple of {per}",
     )
 
 

@@ -110,7 +110,12 @@ def test_group_size_mutation_must_keep_the_batch_geometry(tmp_path):
     validate(compose_config([*POP, space, "algo.micro_batch_size=4"], output_dir=tmp_path))
     validate(
         compose_config(
-            [*POP, "population.mutate={group_size:{low:4,high:4,scale:2}}", "algo.mini_batch_size=8"],
+            [
+                *POP,
+                "population.mutate={group_size:{low:4,high:4,scale:2}}",
+                "algo.mini_batch_size=8",
+                "trainer.max_steps=4",  # 2 members x 2 optimizer steps a population step
+            ],
             output_dir=tmp_path,
         )
     )
