@@ -197,7 +197,7 @@ class ToolEnv:
       in a worker process (:func:`run_tool`; ``tool_workers`` of them, shared by every env of
       the process): one that runs over is stopped (its worker killed, a new one started), so
       nothing of it keeps running. Its return value (a string as is, anything else as JSON, cut
-      to ``max_result_chars``) is the content, or, when it raises or runs over,
+      to ``max_result_chars``, as are error texts) is the content, or, when it raises or runs over,
       ``error: <tool> raised <Type>: <message>`` / ``error: <tool> did not return within <t> s``.
       The episode goes on. Tools must therefore be picklable (module-level functions).
     - ``max_tool_calls`` calls (every call counts, malformed ones too) per episode. Calls beyond
@@ -353,8 +353,11 @@ class ToolEnv:
     def run_call(self, item: ToolCall | MalformedCall) -> CallResult:
         """One call's tool-message content, whether the call was valid (a known tool, arguments
         that fit: it ran), whether running it failed (raised or timed out) and whether it timed out."""
+        cut = self.max_result_chars  # error texts too: a huge message or a traceback
         if isinstance(item, MalformedCall):
-            return CallResult(f"error: malformed tool call ({item.error}): {item.text}", False)
+            return CallResult(
+                result_text(f"error: malformed tool call ({item.error}): {item.text}", cut), False
+            )
         if item.name not in self.tools:
             known = ", ".join(self.tools)
             return CallResult(f"error: unknown tool {item.name!r}; the tools are: {known}", False)
@@ -368,5 +371,7 @@ class ToolEnv:
             )
         if outcome.error is not None:
             err = outcome.error
-            return CallResult(f"error: {item.name} raised {type(err).__name__}: {err}", True, True)
+            return CallResult(
+                result_text(f"error: {item.name} raised {type(err).__name__}: {err}", cut), True, True
+            )
         return CallResult(result_text(outcome.output, self.max_result_chars), True)

@@ -90,3 +90,12 @@ class Dies(Hangs):
         if self.row == 1:
             os._exit(9)
         return "", 1.0, True, False, {}
+
+
+def shouts(n: int) -> str:
+    """Fails with a long message (a tool that dumps its input into its error).
+
+    Args:
+        n: how many characters the message has
+    """
+    raise ValueError("x" * n)
