@@ -129,7 +129,7 @@ def prepare_run_dir(cfg: DictConfig) -> tuple[Path, str | None]:
     if ckpt:
         verified_checkpoint("ckpt_path" if cfg.ckpt_path else "resume", ckpt)
         check_same_run(cfg, Path(ckpt).resolve().parent.parent, cfg.resume_force)
-    if explicit and not in_place:
+    if explicit and not in_place and process_rank() == 0:  # the other ranks get rank 0's directory
         refuse_reuse(out, overwrite=cfg.overwrite)
     if process_rank() != 0:  # the other ranks are handed rank 0's directory
         out.mkdir(parents=True, exist_ok=True)
