@@ -4,6 +4,7 @@ for ``env=dataset``, with errors that name the file, what is wrong with it and t
 from __future__ import annotations
 
 import functools
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,6 +106,13 @@ def load_error(path: str, file: Path | None, split: str, name: str | None, err: 
     empty = ("StopIteration", "EmptyDataError")  # an empty JSON-lines file; a CSV without columns
     if any(type(e).__name__ in empty or "corresponds to no data" in str(e) for e in chain):
         return ConfigError("env.kwargs.path", path, f"a data file with rows: {file} has no rows")
+    bad = first_invalid_json_line(file) if file.suffix == ".jsonl" else None
+    if bad is not None:  # Arrow's message names neither the line nor the JSON error
+        return ConfigError(
+            "env.kwargs.path",
+            path,
+            f"a JSON-lines file: line {bad[0]} of {file} is not valid JSON ({bad[1]}); fix or delete that line",
+        )
     root = chain[-1]
     return ConfigError(
         "env.kwargs.path",
@@ -112,6 +120,22 @@ def load_error(path: str, file: Path | None, split: str, name: str | None, err: 
         f"a {LOCAL_BUILDERS[file.suffix]} file that datasets.load_dataset reads: {file} fails with "
         f"{type(root).__name__}: {root}. Check that the file is complete and in that format",
     )
+
+
+def first_invalid_json_line(file: Path) -> tuple[int, str] | None:
+    """The first non-blank line (numbered from 1) of a JSON-lines file that is not one JSON
+    value, and the parser's message; None when every line parses (or the file is unreadable)."""
+    try:
+        with file.open(encoding="utf-8") as f:
+            for number, line in enumerate(f, start=1):
+                if line.strip():
+                    try:
+                        json.loads(line.rstrip("\r\n"))
+                    except json.JSONDecodeError as err:
+                        return number, f"{err.msg}, column {err.colno}"
+    except (OSError, UnicodeDecodeError):
+        return None
+    return None
 
 
 @functools.lru_cache(maxsize=8)
