@@ -9,7 +9,6 @@ preference and RL stages all train on the same token layout. Assistant tokens ar
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
@@ -20,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 from rlhf_lightning.config.errors import ConfigError
 from rlhf_lightning.data.prompts import eval_row_loader, per_rank_batch
 from rlhf_lightning.data.resumable import resumable_loader
-from rlhf_lightning.envs.files import read_rows, split_rows
+from rlhf_lightning.envs.files import read_rows, split_rows, warn_shared_rows
 from rlhf_lightning.rollout.harness import ChatFormatter
 from rlhf_lightning.rollout.trajectory import Trajectory, TrajectoryBatch, collate, segment_positions
 
@@ -106,23 +105,6 @@ def check_rows(rows: list[dict[str, Any]], kind: str, keys: dict[str, str], path
                 f"row {i} has the same chosen and rejected reply ({str(row[keys['chosen']])[:60]!r}): a "
                 "preference pair needs two different replies (it trains nothing); remove the row",
             )
-
-
-def warn_shared_rows(train: list[dict[str, Any]], held_out: list[dict[str, Any]], path: str) -> int:
-    """Warn when held-out rows also appear among the training rows (duplicates in the file, or
-    an eval file that repeats training rows): their eval loss is then not a held-out one.
-    Returns how many held-out rows are shared."""
-    seen = {json.dumps(row, sort_keys=True, default=str) for row in train}
-    shared = sum(json.dumps(row, sort_keys=True, default=str) in seen for row in held_out)
-    if shared:
-        log.warning(
-            "%d of %d held-out rows (%s) are also training rows (duplicate rows): the eval metrics count "
-            "them as held out; remove the duplicates",
-            shared,
-            len(held_out),
-            path,
-        )
-    return shared
 
 
 class _RowDataset(Dataset):

@@ -13,6 +13,7 @@ from typing import Any
 from rlhf_lightning.config.errors import ConfigError
 from rlhf_lightning.envs.dataset_answers import get_answer_extractor, is_integer
 from rlhf_lightning.envs.dataset_files import Row, Source
+from rlhf_lightning.envs.files import warn_shared_rows
 
 AUTO = "auto"  # eval_split's default: "test", or a hold-out for a single local file
 HOLDOUT_KEY = b"rlhf_lightning.holdout.v1"  # the held-out rows' fixed seed (same every run and rank)
@@ -136,6 +137,7 @@ def prepared_splits(
     rows = train.rows()
     if evals is not None:
         eval_rows = evals.rows()
+        warn_shared_rows(rows, eval_rows, evals.label())
         return Split(rows, golds), Split(eval_rows, checked_golds(evals, columns))
     if len(rows) < 2:
         raise ConfigError(
@@ -145,6 +147,7 @@ def prepared_splits(
         )
     held = holdout(len(rows), fraction)
     part = [[i for i in range(len(rows)) if (i in held) == ev] for ev in (False, True)]
+    warn_shared_rows([rows[i] for i in part[0]], [rows[i] for i in part[1]], train.label())
     return (
         Split(tuple(rows[i] for i in part[0]), tuple(golds[i] for i in part[0])),
         Split(tuple(rows[i] for i in part[1]), tuple(golds[i] for i in part[1])),

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any, cast
 
 from rlhf_lightning.config.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def read_rows(path: str | Path, field: str = "data path") -> list[dict[str, Any]]:
@@ -97,3 +100,21 @@ def require_columns(rows: list[dict[str, Any]], columns: list[str], source: str)
         missing = [c for c in columns if c not in row]
         if missing:
             raise KeyError(f"row {i} of {source} has no column(s) {missing}; columns: {sorted(row)}")
+
+
+def warn_shared_rows(train: Any, held_out: Any, source: str) -> int:
+    """Warn when held-out rows also appear among the training rows (duplicate rows in a file, or
+    an eval file that repeats training rows): their eval metrics are then not held-out ones.
+    Rows compare by content. Returns how many held-out rows are shared."""
+    key = lambda row: json.dumps(row, sort_keys=True, default=str)  # noqa: E731
+    seen = {key(row) for row in train}
+    shared = sum(key(row) in seen for row in held_out)
+    if shared:
+        log.warning(
+            "%d of %d held-out rows (%s) are also training rows (duplicate rows): the eval metrics count "
+            "them as held out; remove the duplicates",
+            shared,
+            len(held_out),
+            source,
+        )
+    return shared

@@ -66,7 +66,7 @@ def test_duplicate_rows_that_land_in_both_splits_are_warned_about(tiny_tokenizer
     rows = [{"prompt": f"q{i}", "completion": str(i)} for i in range(8)]
     rows += [rows[0], rows[3]]  # the last 10% (one row) is held out: a copy of row 3
     path = write_rows(tmp_path / "sft.jsonl", rows)
-    with caplog.at_level(logging.WARNING, logger="rlhf_lightning.data.offline"):
+    with caplog.at_level(logging.WARNING, logger="rlhf_lightning.envs.files"):
         dm = module(tiny_tokenizer, "sft", path)
     assert dm.eval_rows == [rows[3]]
     assert "1 of 1 held-out rows" in caplog.text and "also training rows" in caplog.text
@@ -82,7 +82,7 @@ def test_the_shipped_files_pass_the_row_checks(tiny_tokenizer, kind, name, caplo
     cut = max(1, int(len(lines) * 0.9))
     train = {json.dumps(json.loads(line), sort_keys=True) for line in lines[:cut]}
     shared = sum(json.dumps(json.loads(line), sort_keys=True) in train for line in lines[cut:])
-    with caplog.at_level(logging.WARNING, logger="rlhf_lightning.data.offline"):
+    with caplog.at_level(logging.WARNING, logger="rlhf_lightning.envs.files"):
         dm = module(tiny_tokenizer, kind, str(ASSETS / name))
     assert (len(dm.train_rows), len(dm.eval_rows)) == (cut, len(lines) - cut)
     if shared:

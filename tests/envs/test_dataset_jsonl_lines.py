@@ -38,3 +38,24 @@ def test_a_broken_jsonl_line_is_named_by_its_number(tmp_path, lines, number, why
         f"invalid config: env.kwargs.path='{path}': a JSON-lines file: line {number} of {path} is not valid "
         f"JSON ({why}); fix or delete that line"
     )
+
+
+def test_duplicate_rows_held_out_of_a_local_file_are_warned_about(tmp_path, caplog):
+    """env=dataset holds out env.kwargs.eval_fraction of a local file's rows; a held-out row
+    that repeats a training row is not held out: the warning counts them."""
+    import json
+    import logging
+
+    from rlhf_lightning.envs.dataset_splits import holdout
+
+    rows = [{"question": f"{i}+1?", "answer": str(i + 1)} for i in range(20)]
+    held = sorted(holdout(40, 0.1))  # 4 of the 40 rows written below: the same choice the env makes
+    rows = rows + rows  # every row twice: each held-out row has a copy among the training rows
+    kept = {i for i in range(40) if i not in held}
+    shared = sum(any(rows[k] == rows[h] for k in kept) for h in held)
+    path = tmp_path / "twice.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with caplog.at_level(logging.WARNING, logger="rlhf_lightning.envs.files"):
+        DatasetEnv(str(path), eval_fraction=0.1)
+    assert shared == len(held) == 4
+    assert f"{shared} of {len(held)} held-out rows" in caplog.text and "also training rows" in caplog.text
