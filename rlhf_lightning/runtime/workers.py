@@ -311,6 +311,15 @@ def call_inline(fn: Callable[[], Any], timeout_s: float | None) -> Outcome:
 
 
 # ---------------------------------------------------------------- the worker process
+def _note_traceback(err: BaseException) -> None:
+    """Add the call's traceback (the frames below :func:`_serve`) to ``err`` as a note: a pickled
+    exception travels without its traceback, and the caller's shows only its own frames."""
+    tb = err.__traceback__.tb_next if err.__traceback__ is not None else None
+    if tb is not None:
+        with contextlib.suppress(Exception):
+            err.add_note("traceback in the worker process:\n" + "".join(traceback.format_tb(tb)).rstrip())
+
+
 def _serve(requests: Reader, replies: Writer, parent: int) -> None:
     """Run calls until the parent closes the pipe (or dies)."""
     while True:
@@ -331,6 +340,7 @@ def _serve(requests: Reader, replies: Writer, parent: int) -> None:
         try:
             reply: tuple[str, Any] = ("ok", fn(*args, **kwargs))
         except BaseException as err:
+            _note_traceback(err)
             reply = ("error", _portable(err))
         try:
             data = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)

@@ -88,3 +88,17 @@ def test_a_worker_that_does_not_take_up_a_call_in_time_is_a_start_timeout(monkey
         assert "START_TIMEOUT_S" in str(outcome.error)
     finally:
         pool.close()
+
+
+def test_an_exception_from_a_worker_keeps_its_traceback_as_a_note():
+    from tests.envs.slow_things import boom
+
+    pool = WorkerPool(1)
+    try:
+        error = pool.call(boom, (3,)).error
+    finally:
+        pool.close()
+    assert isinstance(error, RuntimeError) and str(error) == "boom 3"
+    notes = "\n".join(getattr(error, "__notes__", []))
+    assert notes.startswith("traceback in the worker process:")
+    assert "slow_things.py" in notes and 'raise RuntimeError(f"boom {x}")' in notes
