@@ -216,6 +216,7 @@ def test_async_partial_rollouts_on_the_server_carry_each_turns_version(server_ur
             "rollout.mode=async",
             "rollout.max_staleness=1",
             "rollout.partial=true",
+            "rollout.partial_versions=planned",  # the plan's versions (newest depends on timing)
             "num_threads=1",
             "env=guess_number",
             "env.max_turns=3",
