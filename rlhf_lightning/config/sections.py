@@ -320,7 +320,12 @@ def kv_bytes_per_token(config: dict[str, Any], dtype: str) -> int | None:
 
 
 # Simple annotations a config value can be checked against: the type, and what a value must be.
-_SIMPLE = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+_SIMPLE = {
+    int: "an integer",
+    float: "a number",
+    bool: "true or false",
+    str: "a string (a number in quotes: key=\"'123'\")",
+}
 
 
 def _fits(value: Any, kind: type) -> bool:

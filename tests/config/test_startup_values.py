@@ -94,6 +94,13 @@ def test_env_kwargs_of_the_wrong_type_name_the_key_and_the_env():
     ):
         validate(compose_config(["env.kwargs.eval_size=abc"]))
     validate(compose_config(["env.kwargs.eval_size=20"]))
+    with pytest.raises(
+        ConfigError,
+        match=r"env\.kwargs\.exact=3: true or false \(ArithmeticEnv\.__init__ takes exact: bool\)",
+    ):
+        validate(compose_config(["env.kwargs.exact=3"]))
+    with pytest.raises(ConfigError, match=r"env\.kwargs\.path=123: a string \(a number in quotes"):
+        validate(compose_config(["env=dataset", "env.kwargs.path=123"]))
 
 
 def test_a_broken_chat_template_file_names_the_file_and_line(tmp_path):
