@@ -106,7 +106,15 @@ ACC = "eval/accuracy_greedy"
 
 def run(task: str, mode: str, seed: int, out: Path, extra: list[str]) -> Path:
     target = out / f"{task}_{mode}_s{seed}"
-    args = [*TASKS[task], *MODES[mode], *COMMON, f"seed={seed}", *extra, f"output_dir={target}"]
+    args = [
+        *TASKS[task],
+        *MODES[mode],
+        *COMMON,
+        f"seed={seed}",
+        *extra,
+        f"output_dir={target}",
+        "overwrite=true",
+    ]
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:

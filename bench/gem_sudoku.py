@@ -141,6 +141,7 @@ def main() -> None:
                 f"algo={algo}",
                 f"seed={seed}",
                 f"output_dir={out}",
+                "overwrite=true",  # an unfinished earlier run (no bench.json) is replaced
                 f"num_threads={a.threads}",
                 "trainer.enable_progress_bar=false",
                 *a.args,

@@ -101,6 +101,7 @@ def main() -> None:
                 f"algo={algo}",
                 f"seed={seed}",
                 f"output_dir={out}",
+                "overwrite=true",  # a re-run replaces its own earlier run
                 "trainer.enable_progress_bar=false",
                 *a.args,
             ]

@@ -106,6 +106,7 @@ def overrides(args: argparse.Namespace, seed: int, out: Path) -> list[str]:
         f"eval.greedy={args.metric == 'greedy'}",
         *QUIET_RUN,
         f"output_dir={out}",
+        "overwrite=true",  # a re-run replaces its own earlier run
     ]
 
 
