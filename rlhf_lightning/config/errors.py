@@ -18,6 +18,12 @@ class ConfigError(ValueError):
         super().__init__(f"invalid config: {field}={shown!r}: {allowed}")
 
 
+class UserCodeError(RuntimeError):
+    """Code of the user's failed (a reward function, an env's ``step``): the message names it and
+    the way out, and the cause is the user's exception. ``train.py`` shows the cause's traceback
+    and this message, without the trainer's frames between them."""
+
+
 def check(ok: bool, field: str, value: Any, allowed: str) -> None:
     if not ok:
         raise ConfigError(field, value, allowed)

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import torch
 from hydra.utils import get_object
 
-from rlhf_lightning.config.errors import ConfigError
+from rlhf_lightning.config.errors import ConfigError, UserCodeError
 from rlhf_lightning.runtime.workers import CallTimeout, shared_pool
 
 SOURCES = ("env", "function", "model")
@@ -166,26 +166,26 @@ class FunctionReward:
             try:
                 out = self.fn(**kwargs)
             except Exception as err:
-                raise RuntimeError(
+                raise UserCodeError(
                     f"{what} raised {type(err).__name__}: {err} while scoring {len(episodes)} completions"
                 ) from err
             return checked_scores(out, len(episodes), f"reward.fn={self.path}")
         try:
             outcome = shared_pool(REWARD_POOL, 1).call(self.fn, (), kwargs, timeout_s=self.timeout_s)
         except TypeError as err:  # an argument (an env column) that cannot be pickled
-            raise RuntimeError(
+            raise UserCodeError(
                 f"{what} cannot run in a worker process (reward.fn_timeout_s={self.timeout_s:g}): "
                 f"{err}. Set reward.fn_timeout_s=null to call it in the trainer's process"
             ) from err
         problem = outcome.error
         if isinstance(problem, CallTimeout):
-            raise RuntimeError(
+            raise UserCodeError(
                 f"{what} did not return within {self.timeout_s:g} s (reward.fn_timeout_s) while "
                 f"scoring {len(episodes)} completions; it was stopped. Make it faster, raise "
                 "reward.fn_timeout_s, or set it to null (no limit)"
             )
         if problem is not None:
-            raise RuntimeError(
+            raise UserCodeError(
                 f"{what} raised {type(problem).__name__}: {problem} while scoring {len(episodes)} completions "
                 "(in a worker process: reward.fn_timeout_s)"
             ) from problem

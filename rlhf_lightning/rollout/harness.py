@@ -16,6 +16,7 @@ from typing import Any, cast
 
 from transformers import PreTrainedTokenizerBase
 
+from rlhf_lightning.config.errors import UserCodeError
 from rlhf_lightning.envs.base import Observation, TextEnv
 from rlhf_lightning.rewards import CombinedReward, reward_value
 from rlhf_lightning.rollout.chat import ChatFormatter, latest_view, observation_problem
@@ -366,7 +367,7 @@ class RolloutHarness:
                 else f"raised {type(err).__name__}: {err}"
             )
             if self.on_reward_error == "raise":
-                raise RuntimeError(
+                raise UserCodeError(
                     f"{type(env).__name__}.step {what}\n"
                     f"  prompt: {traj.prompt_text!r}\n  completion: {text!r}\n"
                     "Set env.on_reward_error=zero to score such replies 0 (counted in env/reward_errors)."
