@@ -285,6 +285,17 @@ def close_shared_pools() -> None:
 atexit.register(close_shared_pools)
 
 
+def _forget_the_parents_pools() -> None:
+    """In a forked child: the shared pools and their workers are the parent's (its next call
+    starts its own), and closing them at the child's exit must not stop the parent's workers."""
+    global _SHARED_LOCK
+    _SHARED.clear()
+    _SHARED_LOCK = threading.Lock()  # it may have been held by another thread at the fork
+
+
+os.register_at_fork(after_in_child=_forget_the_parents_pools)
+
+
 def call_inline(fn: Callable[[], Any], timeout_s: float | None) -> Outcome:
     """``fn()`` in this thread, stopped by a SIGALRM timer after ``timeout_s``: for the main
     thread of a worker process, where the caller's own process bounds everything else. Python

@@ -102,3 +102,26 @@ def test_an_exception_from_a_worker_keeps_its_traceback_as_a_note():
     notes = "\n".join(getattr(error, "__notes__", []))
     assert notes.startswith("traceback in the worker process:")
     assert "slow_things.py" in notes and 'raise RuntimeError(f"boom {x}")' in notes
+
+
+def test_a_forked_child_neither_uses_nor_stops_the_parents_shared_workers():
+    import os
+
+    from rlhf_lightning.runtime.workers import shared_pool
+
+    parent_pool = shared_pool("fork-test", 1)
+    assert parent_pool.call(quick).output == "ok"
+    (worker,) = parent_pool.pids()
+    pid = os.fork()
+    if pid == 0:  # the child: its own pool, then what its exit would do (close the shared pools)
+        ok = False
+        try:
+            own = shared_pool("fork-test", 1)
+            ok = own is not parent_pool and own.call(quick).output == "ok" and worker not in own.pids()
+            close_shared_pools()
+        except BaseException:
+            pass
+        os._exit(0 if ok else 3)  # never back into pytest
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert alive(worker) and parent_pool.call(quick).output == "ok"  # the parent's worker serves on
