@@ -11,7 +11,7 @@ Checks (bench/gpu_check_cases.py; each in its own process, with its own time bud
                    gradients, peak memory
   qlora_memory     a 4-bit (bitsandbytes nf4) vs a bf16 Qwen2.5-0.5B-shaped base under LoRA: peak memory
   deepspeed_zero2  3 GRPO steps of the tiny model through run(cfg) with strategy=deepspeed_zero2
-  deepspeed_zero3  the same with strategy=deepspeed_zero3
+                   (strategy=deepspeed_zero3 is refused at start-up: docs/guides/scaling.md)
   grpo_step_0p5b   one LoRA GRPO update of a Qwen2.5-0.5B-shaped model at 4,096 tokens: peak memory
 
 A check whose library is missing is skipped with the reason (the lent GPU machine has no network:
@@ -48,25 +48,19 @@ class Check:
 
 CHECKS = (
     Check(
-        "flash_packed", "(a) flash-attention packed rows = each sequence alone", 60, ("flash_attn", "peft")
+        "flash_packed", "(a) flash-attention packed rows = each sequence alone", 70, ("flash_attn", "peft")
     ),
     Check(
-        "liger_vs_ours", "(b) Liger fused loss vs ours: values, peak memory", 90, ("liger_kernel", "triton")
+        "liger_vs_ours", "(b) Liger fused loss vs ours: values, peak memory", 100, ("liger_kernel", "triton")
     ),
-    Check("qlora_memory", "(c) QLoRA 4-bit vs bf16 LoRA: peak memory", 90, ("bitsandbytes", "peft")),
+    Check("qlora_memory", "(c) QLoRA 4-bit vs bf16 LoRA: peak memory", 100, ("bitsandbytes", "peft")),
     Check(
         "deepspeed_zero2",
         "(d) DeepSpeed ZeRO-2: 3 steps through run(cfg)",
-        100,
+        130,
         ("deepspeed", "hydra", "omegaconf", "lightning"),
     ),
-    Check(
-        "deepspeed_zero3",
-        "(d) DeepSpeed ZeRO-3: 3 steps through run(cfg)",
-        70,
-        ("deepspeed", "hydra", "omegaconf", "lightning"),
-    ),
-    Check("grpo_step_0p5b", "(e) one LoRA GRPO step, Qwen2.5-0.5B shape, 4k tokens", 60, ("peft",)),
+    Check("grpo_step_0p5b", "(e) one LoRA GRPO step, Qwen2.5-0.5B shape, 4k tokens", 70, ("peft",)),
 )
 WHY_MISSING = {
     "flash_attn": "flash-attn is not installed (its wheels are hundreds of MB, over what travels to the "

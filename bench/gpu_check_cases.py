@@ -293,28 +293,38 @@ def three_steps(strategy: list[str]) -> Result:
         moved = bool(lora_b) and any(float(p.detach().float().abs().max()) > 0 for p in lora_b)
         last = Path(tmp) / "run" / "checkpoints" / "last.ckpt"
         ckpt_ok = last.is_file() and "state_dict" in torch.load(last, map_location="cpu", weights_only=True)
+        exported = (
+            Path(tmp) / "run" / "checkpoints" / "adapters" / "last" / "actor" / "adapter_model.safetensors"
+        )
+        export_ok = exported.is_file() and exported_adapter_ok(exported)
         d = {
             "exit_code": result.exit_code,
             "global_step": result.trainer.global_step,
             "adapters_moved": moved,
             "last_ckpt_file": ckpt_ok,
+            "exported_adapter_ok": export_ok,
             "grad_norm_logged": result.metrics.get("actor/grad_norm"),
             "reward_mean": result.metrics.get("rollout/reward_mean"),
         }
-    ok = d["exit_code"] == 0 and d["global_step"] == 3 and moved and ckpt_ok
+    ok = d["exit_code"] == 0 and d["global_step"] == 3 and moved and ckpt_ok and export_ok
     line = (
         f"exit {d['exit_code']}, {d['global_step']} steps, adapters moved: {moved}, last.ckpt a file: {ckpt_ok}, "
-        f"logged actor/grad_norm {d['grad_norm_logged']}"
+        f"exported adapter whole: {export_ok}, logged actor/grad_norm {d['grad_norm_logged']}"
     )
     return ("pass" if ok else "fail"), line, d
 
 
+def exported_adapter_ok(path: Path) -> bool:
+    """The exported adapter holds whole tensors and a trained (non-zero) lora_B."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path))
+    whole = bool(tensors) and all(t.numel() > 0 for t in tensors.values())
+    return whole and any(float(t.abs().max()) > 0 for k, t in tensors.items() if "lora_B" in k)
+
+
 def deepspeed_zero2() -> Result:
     return deepspeed_run(2)
-
-
-def deepspeed_zero3() -> Result:
-    return deepspeed_run(3)
 
 
 # ---------------------------------------------------------------- (e) one LoRA GRPO step, 0.5B

@@ -46,9 +46,11 @@ def test_every_yaml_composes_and_resolves(group, option, tiny_path):
     assert container["algo"]["name"] and container["model"]["path"]
     if group == "model" and option.startswith("qwen"):
         assert container["model"]["path"].startswith("Qwen/")
-    unusable = group == "strategy" and option.startswith("deepspeed_") and not deepspeed_usable()
-    if unusable:  # composes anywhere; refused at start-up without CUDA or deepspeed
-        with pytest.raises(ConfigError, match=r"DeepSpeed needs CUDA|pip install 'deepspeed"):
+    zero3 = (group, option) == ("strategy", "deepspeed_zero3")
+    unusable = zero3 or (group == "strategy" and option.startswith("deepspeed_") and not deepspeed_usable())
+    refusal = r"DeepSpeed needs CUDA|pip install 'deepspeed|deepspeed_zero2, or"
+    if unusable:  # composes anywhere; refused at start-up (ZeRO-3 anywhere, ZeRO-2 without CUDA/deepspeed)
+        with pytest.raises(ConfigError, match=refusal):
             validate(cfg)
     elif group not in ("model", "experiment"):  # Hub models are validated when reachable
         validate(cfg)

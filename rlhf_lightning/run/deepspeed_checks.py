@@ -8,7 +8,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from rlhf_lightning.config.errors import ConfigError, check
-from rlhf_lightning.runtime.deepspeed import ZERO_STAGES, deepspeed_missing
+from rlhf_lightning.runtime.deepspeed import ZERO3_REFUSED, ZERO_STAGES, deepspeed_missing
 
 
 def cuda_devices() -> int:
@@ -41,6 +41,7 @@ def validate_deepspeed(cfg: DictConfig, visible: int | None = None, missing: Any
     name = cfg.strategy.name
     if name not in ZERO_STAGES:
         return
+    check(name != "deepspeed_zero3", "strategy.name", name, ZERO3_REFUSED)
     why = f"strategy={name}"
     accelerator = str(cfg.trainer.accelerator)
     check(
@@ -108,12 +109,6 @@ def validate_deepspeed(cfg: DictConfig, visible: int | None = None, missing: Any
         cfg.trainer.precision,
         f"32-true, bf16-mixed or bf16-true with {why}: DeepSpeed's fp16 loss scaling would skip steps "
         "the run's guard does not see",
-    )
-    check(
-        ZERO_STAGES[name] == 2 or not cfg.algo.get("use_liger_loss", False),
-        "algo.use_liger_loss",
-        cfg.algo.get("use_liger_loss"),
-        f"false with {why}: the fused Liger loss is not tested with ZeRO-3's partitioned weights",
     )
     resuming = cfg.ckpt_path is not None or bool(cfg.resume)
     check(

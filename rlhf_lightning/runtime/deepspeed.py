@@ -2,14 +2,14 @@
 project's own optimizer (one AdamW, manual optimization, LoRA adapters).
 
     deepspeed_zero2   optimizer state and gradients partitioned (ZeRO-2)
-    deepspeed_zero3   the frozen base's parameters partitioned too (ZeRO-3); the weights the
-                      policy reads outside a module's forward (the lm head, the chunked log-prob
-                      op never builds full logits) and the trainable ones stay gathered
+    deepspeed_zero3   composes, and is refused at start-up (:data:`ZERO3_REFUSED`): the policy
+                      reads weights outside a module's forward, where ZeRO-3 has released them
 
 What the run keeps doing itself, and what DeepSpeed does instead:
     - gradient accumulation: the learner runs any number of backward passes per optimizer step,
       so DeepSpeed's own accumulation is off (``managed_gradient_accumulation: false``, every
-      ``engine.step()`` is the boundary);
+      ``engine.step()`` is the boundary; with it on, only the last pass would count), and each
+      backward pass is announced as ``engine.forward()`` would (:func:`before_backward`);
     - gradient clipping: DeepSpeed clips by the global norm (``gradient_clipping`` =
       ``algo.grad_clip``); Lightning's ``clip_gradients`` is a no-op under DeepSpeed;
     - ``strategy.offload_optimizer=true``: the optimizer states and step on the CPU (ZeRO-Offload).
@@ -22,12 +22,22 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
 from rlhf_lightning.config.errors import ConfigError
 
 ZERO_STAGES = {"deepspeed_zero2": 2, "deepspeed_zero3": 3}
+# Why strategy=deepspeed_zero3 is refused at start-up. Seen on the CPU (DS_ACCELERATOR=cpu,
+# deepspeed 0.19.8): three steps run, but the exported adapters (adapters/step_*, last) came out
+# as empty tensors, and its parameters are released between the policy's own forward passes.
+ZERO3_REFUSED = (
+    "deepspeed_zero2, or strategy=fsdp to partition the weights as well: under ZeRO-3 the policy "
+    "reads weights outside a module's forward (the lm head in the chunked log-prob op, the "
+    "adapters when they are exported), where DeepSpeed has released them (exports came out empty)"
+)
 # The release these settings were written against (``managed_gradient_accumulation`` is recent).
 MIN_DEEPSPEED = (0, 19, 8)
 
@@ -71,8 +81,9 @@ def deepspeed_config(stage: int, grad_clip: float | None, offload_optimizer: boo
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,  # torch's AdamW, built by configure_optimizers
         "zero_force_ds_cpu_optimizer": False,  # offloaded: torch's AdamW steps on the CPU
-        "managed_gradient_accumulation": False,  # the learner accumulates; step() is the boundary
-        "gradient_accumulation_steps": 1,
+        # the learner accumulates; step() is the boundary. (gradient_accumulation_steps is not
+        # set: Lightning refuses it in the config and takes trainer.accumulate_grad_batches, 1.)
+        "managed_gradient_accumulation": False,
         "train_micro_batch_size_per_gpu": 1,  # DeepSpeed's throughput log only
         "gradient_clipping": float(grad_clip) if grad_clip is not None else 0.0,
         "steps_per_print": 2**31 - 1,  # no progress lines of its own
@@ -94,13 +105,17 @@ def deepspeed_strategy(
 
     class ProjectDeepSpeed(DeepSpeedStrategy):
         """Checkpoints as single Lightning files of the trainable weights (what the run's
-        checkpoint callbacks prune, export and check); under ZeRO-3 the weights read outside
-        a module's forward stay gathered."""
+        checkpoint callbacks prune, export and check)."""
 
-        def init_deepspeed(self) -> None:
-            super().init_deepspeed()
-            if self.zero_stage_3:
-                keep_gathered(self.model)
+        def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            before_backward(self.model)
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+        @contextmanager
+        def block_backward_sync(self) -> Iterator[None]:
+            """No ``engine.no_sync()``: ZeRO-2/3 refuse it (they reduce and partition gradients in
+            every backward pass); the learner's backward passes run as they are."""
+            yield None
 
         def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
             return {}  # partitioned by ZeRO; resuming is refused at start-up
@@ -111,9 +126,7 @@ def deepspeed_strategy(
             keep = (
                 keys() if keys is not None else {n for n, p in module.named_parameters() if p.requires_grad}
             )
-            named = [(n, p) for n, p in module.named_parameters() if n in keep]
-            with gathered_params([p for _, p in named]):
-                return {n: p.detach().cpu().clone() for n, p in named}
+            return {n: p.detach().cpu().clone() for n, p in module.named_parameters() if n in keep}
 
         def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any = None) -> None:
             checkpoint = {k: v for k, v in checkpoint.items() if k != "optimizer_states"}
@@ -128,40 +141,10 @@ def deepspeed_strategy(
     )
 
 
-def gathered_params(params: list[Any]) -> Any:
-    """The full values of ZeRO-3 partitioned ``params`` for the duration (read-only)."""
-    from contextlib import nullcontext
-
-    if not any(hasattr(p, "ds_id") for p in params):
-        return nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters([p for p in params if hasattr(p, "ds_id")], modifier_rank=None)
-
-
-def keep_gathered(engine: Any) -> list[Any]:
-    """ZeRO-3: keep the trainable parameters and every output head gathered on every rank
-    (DeepSpeed's persistent parameters, gathered again after each step), so the policy may read
-    them outside a module's forward. Only the frozen base's other weights stay partitioned.
-    Returns the parameters kept."""
-    module = getattr(engine, "module", engine)
-    keep: dict[int, Any] = {}
-    for p in module.parameters():
-        if p.requires_grad:
-            keep[id(p)] = p
-    for sub in module.modules():
-        heads = getattr(sub, "get_output_embeddings", None)
-        head = heads() if callable(heads) else None
-        weight = getattr(head, "weight", None)
-        if weight is not None:
-            keep[id(weight)] = weight
-    params = [p for p in keep.values() if hasattr(p, "ds_id") and not p.ds_persist]
-    if not params:
-        return []
-    for p in params:
-        p.ds_persist = True
-    persistent = getattr(getattr(engine, "optimizer", None), "persistent_parameters", None)
-    if isinstance(persistent, list):
-        persistent.extend(params)  # the same list the parameter offload keeps
-    params[0].all_gather(params)
-    return params
+def before_backward(engine: Any) -> None:
+    """What ``engine.forward()`` does before a backward pass and the learner's own forward passes
+    (through the policy, not the engine) skip: without it ZeRO-3 keeps only the last backward
+    pass's gradients of an optimizer step instead of their sum (it counts micro-steps there)."""
+    clear = getattr(getattr(engine, "optimizer", None), "clear_backward_seen_flag", None)
+    if callable(clear):
+        clear()

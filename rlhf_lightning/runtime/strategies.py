@@ -4,9 +4,9 @@
     ddp    data parallel, one process per device (gloo on CPUs, nccl on GPUs)
     fsdp   FSDP2 (``fully_shard``) through Lightning's ModelParallelStrategy: the frozen base and
            the LoRA adapters of every decoder layer sharded over all processes
-    deepspeed_zero2, deepspeed_zero3
-           Lightning's DeepSpeedStrategy, ZeRO stage 2 or 3, one CUDA process
-           (:mod:`rlhf_lightning.runtime.deepspeed`)
+    deepspeed_zero2
+           Lightning's DeepSpeedStrategy, ZeRO-2, one CUDA process (:mod:`rlhf_lightning.runtime.deepspeed`;
+           deepspeed_zero3 composes and is refused at start-up)
 
 The algorithm config does not change with the strategy: batch sizes are global.
 """
