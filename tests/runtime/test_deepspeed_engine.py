@@ -86,3 +86,30 @@ def test_backward_passes_accumulate_and_deepspeed_clips_like_one_plain_step(stag
     # the gradient of the step is the sum over the three passes, not the last pass alone
     assert out["norm"] == pytest.approx(out["ref_norm"], rel=1e-5)
     assert out["param_diff"] < 1e-6
+
+
+def test_the_strategy_takes_its_config_and_never_enters_no_sync():
+    """Lightning refuses a DeepSpeed config that sets gradient_accumulation_steps, and ZeRO-2/3
+    refuse ``engine.no_sync()`` (Lightning's block_backward_sync would enter it)."""
+    from types import SimpleNamespace
+
+    from rlhf_lightning.runtime.strategies import build_strategy
+    from tests.conftest import compose_config
+
+    strategy = build_strategy(compose_config(["strategy=deepspeed_zero2"]).strategy, grad_clip=0.7)
+
+    class Engine:
+        def no_sync(self):
+            raise AssertionError("ZeRO-2 refuses no_sync()")
+
+    strategy.model = Engine()
+    with strategy.block_backward_sync():
+        pass
+    trainer = SimpleNamespace(accumulate_grad_batches=1, gradient_clip_val=None)
+    strategy._lightning_module = SimpleNamespace(trainer=trainer)
+    strategy._format_batch_size_and_grad_accum_config()  # raised with the key set
+    assert strategy.config["gradient_accumulation_steps"] == 1
+    assert (
+        strategy.config["gradient_clipping"] == 0.7
+        and strategy.config["managed_gradient_accumulation"] is False
+    )
