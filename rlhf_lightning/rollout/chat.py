@@ -68,6 +68,22 @@ class ChatFormatter:
         self.system_prompt = system_prompt
         self.apply_chat_template = apply_chat_template
         self.tools = tools or None
+        self._longest_token: int | None = None
+
+    def fewest_tokens(self, observation: Observation) -> int:
+        """A lower bound on the tokens ``observation``'s text takes, found without tokenizing it:
+        its characters over twice the longest vocabulary entry's (a token decodes to at most as
+        many characters as its vocabulary string has, byte-level and SentencePiece alike; the
+        factor 2 leaves room for normalisers). A multi-megabyte observation is known not to fit
+        in microseconds instead of seconds of tokenizing."""
+        if self._longest_token is None:
+            self._longest_token = max((len(t) for t in self.tokenizer.get_vocab()), default=1) or 1
+        chars = (
+            len(observation)
+            if isinstance(observation, str)
+            else sum(len(m.get("content") or "") for m in observation)
+        )
+        return chars // (2 * self._longest_token)
 
     def messages(self, observation: Observation) -> list[Message]:
         msgs = (

@@ -390,6 +390,10 @@ class RolloutHarness:
         problem = observation_problem(obs)  # the next turn's prompt: rendered by the chat template
         if problem is not None:
             raise TypeError(f"{type(env).__name__}.step returned {problem}")
+        held_before = len(traj.token_ids) - traj.segment_starts[-1] if self.history == "full" else 0
+        if held_before + self.formatter.fewest_tokens(obs) + max_new_tokens > self.max_model_len:
+            traj.truncated = True  # the next turn cannot fit: known without tokenizing the observation
+            return False, failed
         ids, fresh = self._next_prompt(traj, comp, obs, pieces if pieces is not None else [])
         held = len(ids) if fresh else len(traj.token_ids) - traj.segment_starts[-1] + len(ids)
         if held + max_new_tokens > self.max_model_len:
