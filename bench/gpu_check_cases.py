@@ -249,7 +249,7 @@ def qlora_memory() -> Result:
 
             _, peak, secs = peak_mb(torch, step)
             out[name] = {"weights_mb": weights, "step_peak_mb": peak, "step_s": secs}
-            del policy, model
+            del policy, model, step
     line = (
         f"weights {out['bf16']['weights_mb']:.0f} -> {out['4bit']['weights_mb']:.0f} MiB; step peak "
         f"{out['bf16']['step_peak_mb']:.0f} -> {out['4bit']['step_peak_mb']:.0f} MiB (bf16 -> 4-bit)"
