@@ -73,7 +73,17 @@ def test_the_refusal_comes_before_any_model_loads(tmp_path, monkeypatch):
 
 
 def test_a_cuda_machine_without_deepspeed_is_told_to_install_it(monkeypatch):
-    assert deepspeed_missing() is not None  # this environment has no deepspeed
+    import importlib.metadata
+
+    version = importlib.metadata.version
+
+    def without_deepspeed(name: str) -> str:  # deepspeed absent, whether or not it is installed
+        if name == "deepspeed":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return version(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", without_deepspeed)
+    assert deepspeed_missing() is not None
     monkeypatch.setattr("rlhf_lightning.run.deepspeed_checks.cuda_devices", lambda: 1)
     with pytest.raises(
         ConfigError, match=r"strategy.name='deepspeed_zero2'.*pip install 'deepspeed>=0.19.8'"
