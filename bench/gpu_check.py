@@ -89,7 +89,8 @@ def cuda_problem() -> str | None:
     return None
 
 
-def missing_reason(check: Check, find: Callable[[str], object] = importlib.util.find_spec) -> str | None:
+def missing_reason(check: Check, find: Callable[[str], object] | None = None) -> str | None:
+    find = find or importlib.util.find_spec  # looked up at call time (tests hide packages)
     for module in check.needs:
         try:
             found = find(module) is not None

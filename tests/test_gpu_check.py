@@ -47,6 +47,10 @@ def test_the_dry_run_without_cuda_skips_every_check_naming_why(tmp_path, monkeyp
         raise AssertionError(f"{check.name} was started without CUDA")
 
     monkeypatch.setattr(gpu_check, "run_child", never)
+    find = gpu_check.importlib.util.find_spec
+    monkeypatch.setattr(  # deepspeed absent, whether or not this environment has it
+        gpu_check.importlib.util, "find_spec", lambda name: None if name == "deepspeed" else find(name)
+    )
     out = tmp_path / "sub" / "x.md"
     assert gpu_check.main(["--out", str(out)]) == 0
     rows = table_rows(out.read_text())
@@ -54,7 +58,7 @@ def test_the_dry_run_without_cuda_skips_every_check_naming_why(tmp_path, monkeyp
     for name, cells in rows.items():
         assert cells[2] == "skipped", name
         assert "no CUDA device" in cells[3], name
-    # what else would be skipped is named too (deepspeed is not installed here)
+    # what else would be skipped is named too
     assert "deepspeed is not installed" in rows["deepspeed_zero2"][3]
     assert not list(out.parent.glob(".*tmp*"))  # written atomically, nothing left beside it
 
