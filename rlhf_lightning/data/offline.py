@@ -75,12 +75,18 @@ COLUMN_FIELDS = {
 }
 
 
-def check_rows(rows: list[dict[str, Any]], kind: str, keys: dict[str, str], path: str, field: str) -> None:
-    """Every row has the columns ``kind`` reads (SFT: ``messages``, else ``prompt`` and
-    ``completion``, as the first row has them; preference: ``prompt``, ``chosen``, ``rejected``),
-    and a preference pair's replies differ. Raises :class:`ConfigError` naming the ``algo.*_key``
-    field and the row's columns (a missing column was a bare ``KeyError``; an identical pair
-    trains nothing)."""
+def check_rows(
+    rows: list[dict[str, Any]], kind: str, keys: dict[str, str], path: str, field: str
+) -> list[dict[str, Any]]:
+    """The usable rows of ``path``. Every row has the columns ``kind`` reads (SFT: ``messages``,
+    else ``prompt`` and ``completion``, as the first row has them; preference: ``prompt``,
+    ``chosen``, ``rejected``): else :class:`ConfigError` naming the ``algo.*_key`` field and the
+    row's columns (a missing column was a bare ``KeyError``).
+
+    A preference pair whose chosen and rejected replies are the same trains nothing (its loss
+    gradient is zero): such rows are dropped with one warning (their count, the first one's row)
+    -- real preference sets (HH-RLHF) hold a few. Raises :class:`ConfigError` when no row is left.
+    """
     if kind == "preference":
         needed, hint = (
             ["prompt", "chosen", "rejected"],
@@ -98,13 +104,31 @@ def check_rows(rows: list[dict[str, Any]], kind: str, keys: dict[str, str], path
                     f"a column of every row of {path} ({field}): row {i} has {sorted(row)}; set {hint} "
                     "to the file's column names",
                 )
-        if kind == "preference" and row[keys["chosen"]] == row[keys["rejected"]]:
-            raise ConfigError(
-                field,
-                path,
-                f"row {i} has the same chosen and rejected reply ({str(row[keys['chosen']])[:60]!r}): a "
-                "preference pair needs two different replies (it trains nothing); remove the row",
-            )
+    if kind != "preference":
+        return rows
+    same = [i for i, row in enumerate(rows) if row[keys["chosen"]] == row[keys["rejected"]]]
+    if not same:
+        return rows
+    first = f"row {same[0]} (counting from 0): {str(rows[same[0]][keys['chosen']])[:60]!r}"
+    if len(same) == len(rows):
+        raise ConfigError(
+            field,
+            path,
+            f"a file with at least one usable preference pair: all {len(rows)} rows have the same "
+            f"chosen and rejected reply (the first is {first}), and a pair of identical replies "
+            "trains nothing; give rows whose chosen and rejected replies differ",
+        )
+    log.warning(
+        "dropped %d of %d preference rows of %s (%s) whose chosen and rejected replies are the "
+        "same (they train nothing); the first is %s",
+        len(same),
+        len(rows),
+        path,
+        field,
+        first,
+    )
+    dropped = set(same)
+    return [row for i, row in enumerate(rows) if i not in dropped]
 
 
 class _RowDataset(Dataset):
@@ -234,11 +258,11 @@ class OfflineDataModule(L.LightningDataModule):
         packing: bool = False,
     ) -> None:
         super().__init__()
-        rows = read_rows(path, "algo.data_path")
-        check_rows(rows, kind, keys, path, "algo.data_path")
-        eval_rows = read_rows(eval_path, "algo.eval_data_path") if eval_path else None
-        if eval_rows is not None and eval_path is not None:
-            check_rows(eval_rows, kind, keys, eval_path, "algo.eval_data_path")
+        rows = check_rows(read_rows(path, "algo.data_path"), kind, keys, path, "algo.data_path")
+        eval_rows = None
+        if eval_path:
+            read = read_rows(eval_path, "algo.eval_data_path")
+            eval_rows = check_rows(read, kind, keys, eval_path, "algo.eval_data_path")
         self.train_rows, self.eval_rows = split_rows(rows, eval_rows, eval_fraction)
         warn_shared_rows(self.train_rows, self.eval_rows, eval_path or path)
         cls = PreferenceDataset if kind == "preference" else SFTDataset

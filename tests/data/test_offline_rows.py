@@ -1,7 +1,7 @@
 """SFT and DPO rows are checked when the data module reads them: a missing column names the
-``algo.*_key`` field that should name it (it was a bare ``KeyError``), a preference pair with the
-same reply twice is refused with its row, and held-out rows that are also training rows
-(duplicates in the file) are warned about."""
+``algo.*_key`` field that should name it (it was a bare ``KeyError``), preference pairs with the
+same reply twice are dropped with one warning (a file of nothing else is refused), and held-out
+rows that are also training rows (duplicates in the file) are warned about."""
 
 from __future__ import annotations
 
@@ -50,16 +50,51 @@ def test_a_later_row_missing_a_preference_column_is_named_by_row(tiny_tokenizer,
         module(tiny_tokenizer, "preference", path)
 
 
-def test_a_preference_pair_with_the_same_reply_twice_is_refused(tiny_tokenizer, tmp_path):
-    rows = [{"prompt": "q", "chosen": "a", "rejected": "b"}, {"prompt": "q2", "chosen": "7", "rejected": "7"}]
+def test_preference_pairs_with_the_same_reply_twice_are_dropped_with_one_warning(
+    tiny_tokenizer, tmp_path, caplog
+):
+    """They train nothing, and real preference sets (HH-RLHF) hold a few: the file is not
+    refused for them (it was, whole); one warning per file gives the count and the first row."""
+    rows = [
+        {"prompt": "q0", "chosen": "a", "rejected": "b"},
+        {"prompt": "q1", "chosen": "7", "rejected": "7"},
+        {"prompt": "q2", "chosen": "c", "rejected": "d"},
+        {"prompt": "q3", "chosen": "8", "rejected": "8"},
+    ]
     path = write_rows(tmp_path / "dpo.jsonl", rows)
+    eval_path = write_rows(tmp_path / "eval.jsonl", [rows[3], rows[2]])
+    with caplog.at_level(logging.WARNING, logger="rlhf_lightning.data.offline"):
+        dm = module(tiny_tokenizer, "preference", path, eval_path=eval_path)
+    assert dm.train_rows == [rows[0], rows[2]]
+    assert dm.eval_rows == [rows[2]]
+    assert [len(pair) for pair in (dm.train_set[0], dm.train_set[1], dm.eval_set[0])] == [2, 2, 2]
+    warnings = [r.getMessage() for r in caplog.records if "chosen and rejected" in r.getMessage()]
+    assert len(warnings) == 2, warnings
+    assert warnings[0].startswith(f"dropped 2 of 4 preference rows of {path} (algo.data_path) ")
+    assert warnings[0].endswith("the first is row 1 (counting from 0): '7'")
+    assert warnings[1].startswith(f"dropped 1 of 2 preference rows of {eval_path} (algo.eval_data_path) ")
+    assert warnings[1].endswith("the first is row 0 (counting from 0): '8'")
+
+
+def test_a_preference_file_of_identical_pairs_only_is_refused_naming_why(tiny_tokenizer, tmp_path):
+    rows = [{"prompt": "q", "chosen": "a", "rejected": "b"}]
+    same = [
+        {"prompt": "q1", "chosen": "7", "rejected": "7"},
+        {"prompt": "q2", "chosen": "8", "rejected": "8"},
+    ]
     with pytest.raises(
-        ConfigError, match=r"algo\.data_path=.*row 1 has the same chosen and rejected reply \('7'\)"
+        ConfigError,
+        match=r"algo\.data_path=.*all 2 rows have the same chosen and rejected reply \(the first is "
+        r"row 0 \(counting from 0\): '7'\)",
     ):
-        module(tiny_tokenizer, "preference", path)
-    eval_path = write_rows(tmp_path / "eval.jsonl", rows[1:])
-    with pytest.raises(ConfigError, match=r"algo\.eval_data_path=.*row 0 has the same chosen and rejected"):
-        module(tiny_tokenizer, "preference", write_rows(tmp_path / "ok.jsonl", rows[:1]), eval_path=eval_path)
+        module(tiny_tokenizer, "preference", write_rows(tmp_path / "dpo.jsonl", same))
+    with pytest.raises(ConfigError, match=r"algo\.eval_data_path=.*all 2 rows have the same chosen"):
+        module(
+            tiny_tokenizer,
+            "preference",
+            write_rows(tmp_path / "ok.jsonl", rows),
+            eval_path=write_rows(tmp_path / "eval.jsonl", same),
+        )
 
 
 def test_duplicate_rows_that_land_in_both_splits_are_warned_about(tiny_tokenizer, tmp_path, caplog):
