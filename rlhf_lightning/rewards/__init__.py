@@ -13,7 +13,10 @@ A component scores a whole batch: ``score(episodes, device) -> list[float]``, ra
 from __future__ import annotations
 
 import copy
+import importlib.util
 import inspect
+import io
+import logging
 import math
 import numbers
 import pickle
@@ -37,6 +40,8 @@ FN_TIMEOUT_S = 300.0  # reward.fn_timeout_s's default: one call (a whole batch) 
 REWARD_POOL = "reward-fn"  # the shared worker pool reward functions with a time limit run in
 # Batch standardisation: (x - mean) / (std + STD_EPS), std unbiased (n - 1), as torch.std.
 STD_EPS = 1e-6
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -98,7 +103,10 @@ class FunctionReward:
     that has not returned after ``timeout_s`` seconds is stopped (its worker killed with what it
     started) and fails the run with an error naming the limit. The function must then be
     picklable (a module-level function or class) and sees none of the trainer's in-process
-    state. ``None``: called in this process, without a limit.
+    state. ``None``: called in this process, without a limit. A function the worker cannot import
+    (defined in ``__main__``: a script or a notebook; or in a module that is no file on
+    ``sys.path``) is also called in this process, with one warning that it has no limit
+    (:func:`not_importable_in_a_worker`).
     """
 
     normalize = "none"
@@ -121,27 +129,32 @@ class FunctionReward:
                 "reward.fn_timeout_s", timeout_s, "a time limit > 0 seconds, or null (no limit)"
             )
         if timeout_s is not None:
-            try:
-                pickle.dumps(fn)
-            except Exception as err:
-                raise ConfigError(
-                    "reward.fn",
+            module = not_importable_in_a_worker(fn, path, timeout_s)
+            if module is not None:
+                log.warning(
+                    "reward.fn=%s is defined in (or refers to) %s, which a worker process cannot import: it runs in "
+                    "the trainer's process WITHOUT a time limit (reward.fn_timeout_s=%g does not "
+                    "apply; a call that hangs hangs the run). For a limit, define it in an importable "
+                    "module (a .py file on sys.path) and give its dotted path; "
+                    "reward.fn_timeout_s=null silences this warning",
                     path,
-                    f"a picklable function (module level) to run in a worker process under "
-                    f"reward.fn_timeout_s={timeout_s:g}; pickling failed: {err}. Or set "
-                    "reward.fn_timeout_s=null to call it in the trainer's process, without a limit",
-                ) from None
+                    module,
+                    timeout_s,
+                )
+                timeout_s = None
         self.timeout_s = timeout_s
 
-    def arguments(self, episodes: Sequence[Episode]) -> dict[str, list[Any]]:
-        """The keyword arguments of one call (fresh copies: see the class docstring)."""
+    def arguments(self, episodes: Sequence[Episode], fresh: bool = True) -> dict[str, list[Any]]:
+        """The keyword arguments of one call: fresh copies (see the class docstring), unless
+        ``fresh`` is False (a call in a worker process: pickling them copies them already)."""
         shared = set.intersection(*(set(e.columns) for e in episodes)) if episodes else set()
         shared -= set(RESERVED)
+        copied = copy.deepcopy if fresh else lambda value: value
         kwargs: dict[str, list[Any]] = {
-            "prompts": copy.deepcopy([e.prompt for e in episodes]),
+            "prompts": copied([e.prompt for e in episodes]),
             "completions": [e.replies[-1] if e.replies else "" for e in episodes],
             "replies": [list(e.replies) for e in episodes],
-            **{k: copy.deepcopy([e.columns[k] for e in episodes]) for k in sorted(shared)},
+            **{k: copied([e.columns[k] for e in episodes]) for k in sorted(shared)},
         }
         if self.keywords is None:
             return kwargs
@@ -160,7 +173,7 @@ class FunctionReward:
         return {p.name for p in params if p.default is p.empty and p.kind != p.VAR_POSITIONAL}
 
     def score(self, episodes: Sequence[Episode], device: Any) -> list[float]:
-        kwargs = self.arguments(episodes)
+        kwargs = self.arguments(episodes, fresh=self.timeout_s is None)
         what = f"reward.fn={self.path} (the reward function {self.name})"
         if self.timeout_s is None:
             try:
@@ -190,6 +203,47 @@ class FunctionReward:
                 "(in a worker process: reward.fn_timeout_s)"
             ) from problem
         return checked_scores(outcome.output, len(episodes), f"reward.fn={self.path}")
+
+
+def not_importable_in_a_worker(fn: Callable[..., Any], path: str, timeout_s: float) -> str | None:
+    """The module (``__main__``, or one that is no file on ``sys.path``) of ``fn``, or of a
+    function or class that pickling ``fn`` refers to by name, that a worker process cannot import
+    (it would fail on every call); None when the worker can unpickle ``fn``.
+
+    Raises ConfigError when ``fn`` (from an importable module) cannot be pickled at all.
+    """
+    own = getattr(fn, "__module__", None)  # a partial has none: what it wraps is recorded below
+    if isinstance(own, str) and not importable(own):
+        return own  # a notebook's lambda too: it runs in-process, pickled or not
+    modules: set[str] = set()
+
+    class Recorder(pickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            if isinstance(obj, type) or inspect.isfunction(obj):  # pickled by module and name
+                modules.add(str(getattr(obj, "__module__", None)))
+            return NotImplemented
+
+    try:
+        Recorder(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL).dump(fn)
+    except Exception as err:
+        raise ConfigError(
+            "reward.fn",
+            path,
+            f"a picklable function (module level) to run in a worker process under "
+            f"reward.fn_timeout_s={timeout_s:g}; pickling failed: {err}. Or set "
+            "reward.fn_timeout_s=null to call it in the trainer's process, without a limit",
+        ) from None
+    return next((m for m in sorted(modules) if not importable(m)), None)
+
+
+def importable(module: str) -> bool:
+    """Whether a fresh process with this one's ``sys.path`` can import ``module``."""
+    if module == "__main__":  # the worker's __main__ is its own module, not the trainer's script
+        return False
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # ValueError: in sys.modules without a spec (made in memory)
+        return False
 
 
 def reward_value(reward: Any) -> float | None:
