@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from pathlib import Path
@@ -102,13 +103,21 @@ def require_columns(rows: list[dict[str, Any]], columns: list[str], source: str)
             raise KeyError(f"row {i} of {source} has no column(s) {missing}; columns: {sorted(row)}")
 
 
+def row_digest(row: Any) -> bytes:
+    """A row's content as 16 bytes: BLAKE2b of its JSON with sorted keys (unequal rows collide
+    with probability ~2**-128)."""
+    text = json.dumps(row, sort_keys=True, default=str)
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()  # ASCII: ensure_ascii
+
+
 def warn_shared_rows(train: Any, held_out: Any, source: str) -> int:
     """Warn when held-out rows also appear among the training rows (duplicate rows in a file, or
     an eval file that repeats training rows): their eval metrics are then not held-out ones.
-    Rows compare by content. Returns how many held-out rows are shared."""
-    key = lambda row: json.dumps(row, sort_keys=True, default=str)  # noqa: E731
-    seen = {key(row) for row in train}
-    shared = sum(key(row) in seen for row in held_out)
+    Rows compare by content: a 16-byte digest of each training row's JSON is kept, not its text
+    (memory grows with the number of rows, not their size). Returns how many held-out rows are
+    shared."""
+    seen = {row_digest(row) for row in train}
+    shared = sum(row_digest(row) in seen for row in held_out)
     if shared:
         log.warning(
             "%d of %d held-out rows (%s) are also training rows (duplicate rows): the eval metrics count "
