@@ -35,6 +35,8 @@ from rlhf_lightning.run.rundir import (
     clear_run,
     find_resumable,
     follow_resumed_run,
+    hand_to_launched_ranks,
+    handed_by_rank0,
     holds_run,
     process_rank,
     refuse_reuse,
@@ -126,12 +128,17 @@ def prepare_run_dir(cfg: DictConfig) -> tuple[Path, str | None]:
         True,
         f"false when resuming in {out}: overwrite deletes the checkpoint the run resumes from",
     )
-    if ckpt:
+    # A rank Lightning's launcher started from rank 0 skips what rank 0 checked before starting
+    # it (rank 0 may have written into ``out`` since). An external launcher's ranks (torchrun,
+    # srun) all check: each refuses as rank 0 does, instead of waiting for it at the first
+    # collective until strategy.timeout_s (see handed_by_rank0 for why they see the same files).
+    handed = handed_by_rank0(out)
+    if ckpt and not handed:
         verified_checkpoint("ckpt_path" if cfg.ckpt_path else "resume", ckpt)
         check_same_run(cfg, Path(ckpt).resolve().parent.parent, cfg.resume_force)
-    if explicit and not in_place and process_rank() == 0:  # the other ranks get rank 0's directory
+    if explicit and not in_place and not handed:
         refuse_reuse(out, overwrite=cfg.overwrite)
-    if process_rank() != 0:  # the other ranks are handed rank 0's directory
+    if process_rank() != 0:  # rank 0 claims the directory (and clears it for overwrite=true)
         out.mkdir(parents=True, exist_ok=True)
         return out, ckpt
     out = claim_run_dir(out, explicit=explicit)
@@ -141,6 +148,7 @@ def prepare_run_dir(cfg: DictConfig) -> tuple[Path, str | None]:
     if cfg.overwrite and holds_run(out):
         clear_run(out)
     pass_output_dir_to_other_ranks(out)
+    hand_to_launched_ranks(out)
     return out, ckpt
 
 

@@ -8,6 +8,10 @@ find_resumable  the newest ``outputs/<name>/*`` run with a ``checkpoints/last.ck
 config_changes  what differs between two configs, key by key
 refuse_reuse    an explicit ``output_dir`` holding an earlier run is refused unless the run
                 resumes it (``resume=true``) or replaces it (``overwrite=true``)
+hand_to_launched_ranks / handed_by_rank0
+                rank 0 marks the directory it checked and claimed for the ranks Lightning's
+                launcher starts from it; those skip the checks rank 0 made (an external
+                launcher's ranks, torchrun's or srun's, carry no mark and check themselves)
 clear_run       ``overwrite=true``: the earlier run's files removed (only the files a run writes)
 remove_partials temporary files a killed save left (``.<name>.*.tmp``), once the run holds the lock
 follow_resumed_run  ``resume=true`` without ``output_dir``: Hydra's job log moves to the resumed
@@ -61,6 +65,29 @@ def process_rank() -> int:
         if os.environ.get(var):
             return int(os.environ[var])
     return 0
+
+
+# Set by rank 0 once it has checked and claimed the run directory; Lightning's launcher copies
+# the environment into the ranks it starts. Its value is the directory, so a stray mark (one
+# exported in a shell) never matches a directory it was not set for.
+HANDED_DIR = "RLHF_LIGHTNING_HANDED_RUN_DIR"
+
+
+def hand_to_launched_ranks(path: Path) -> None:
+    """Rank 0, after its checks and its claim of ``path``: the ranks Lightning's launcher starts
+    from this process (with this environment) are handed ``path`` and skip the checks
+    (:func:`handed_by_rank0`). By then rank 0 may have written there (``metrics.csv``), which
+    those ranks would otherwise take for an earlier run."""
+    os.environ[HANDED_DIR] = str(path.resolve())
+
+
+def handed_by_rank0(path: Path) -> bool:
+    """Whether this process is a rank Lightning's launcher started from a rank 0 that checked and
+    claimed ``path`` (:func:`hand_to_launched_ranks`). False on every rank an external launcher
+    (torchrun, srun) started: those all start at once and each checks for itself, which is safe
+    because no rank writes an earlier run's mark (RUN_MARKS) before the process group is up, a
+    point every rank reaches only after its own checks; so all of them refuse alike."""
+    return process_rank() != 0 and os.environ.get(HANDED_DIR) == str(path.resolve())
 
 
 def _holder(lock: Path) -> tuple[str, int] | None:
@@ -140,12 +167,18 @@ def refuse_reuse(path: Path, *, overwrite: bool) -> None:
     results, unless told to (``overwrite``); a resume of that run does not come here."""
     if overwrite or not path.is_dir() or not holds_run(path):
         return
+    found = ", ".join(n for n in RUN_MARKS if (path / n).exists())
+    last = path / "checkpoints" / "last.ckpt"
+    if last.is_file():
+        how = "continue it with resume=true, or pass overwrite=true to delete its results and start a new run there"
+    else:  # a run that ended before its first checkpoint: nothing to resume
+        how = (
+            f"it has no {last} to resume; pass overwrite=true to delete its results and start a new run there"
+        )
     raise ConfigError(
         "output_dir",
         str(path),
-        f"a directory without an earlier run: {path} holds one ({', '.join(n for n in RUN_MARKS if (path / n).exists())}); "
-        "continue it with resume=true, or pass overwrite=true to delete its results and start a new "
-        "run there (or choose another output_dir)",
+        f"a directory without an earlier run: {path} holds one ({found}); {how} (or choose another output_dir)",
     )
 
 
