@@ -130,12 +130,13 @@ def check_monitor(cfg: DictConfig) -> None:
 
 
 def validate_precision(precision: Any) -> None:
-    """``trainer.precision``: one of Lightning's values (an int such as 32 as its string)."""
+    """``trainer.precision``: one of Lightning's values (an int such as 32 as its string), or
+    null (Lightning's own default, 32-true)."""
     check(
-        str(precision) in PRECISIONS,
+        precision is None or str(precision) in PRECISIONS,
         "trainer.precision",
         precision,
-        f"one of {', '.join(PRECISIONS[2:8])} (Lightning's precision values)",
+        f"one of {', '.join(PRECISIONS[2:8])} (Lightning's precision values), or null (32-true)",
     )
 
 

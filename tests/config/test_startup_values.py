@@ -73,6 +73,7 @@ def test_a_bad_value_fails_in_the_early_checks_naming_the_field(overrides, field
     [
         "checkpoint.keep_last=-1",
         "trainer.precision=16",
+        "trainer.precision=null",  # Lightning's own default (32-true)
         "trainer.precision=bf16-mixed",
         "algo.warmup_steps=899",
         "rollout=vllm rollout.kv_cache_memory_bytes=1048576",
