@@ -72,14 +72,26 @@ def _float_tensors(node: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]
             yield from _float_tensors(v, f"{prefix}[{i}]")
 
 
+FINITE_CHUNK = 1 << 22  # elements checked at once: the check's scratch memory stays a few MB
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every value of the floating (or complex) tensor ``t`` is finite, read in chunks of
+    at most :data:`FINITE_CHUNK` elements (a memory-mapped weight is paged in once, and the
+    check's boolean scratch never grows to the tensor's size); stops at the first bad chunk."""
+    flat = t.reshape(-1) if t.is_contiguous() else t.flatten()  # a view of a saved (contiguous) tensor
+    return all(bool(torch.isfinite(chunk).all()) for chunk in flat.split(FINITE_CHUNK))  # at load only
+
+
 def nonfinite_tensors(state: dict[str, Any]) -> list[str]:
-    """The names of the weights (``state_dict``) and optimizer state tensors holding a NaN or inf."""
-    bad = []
-    for section in ("state_dict", "optimizer_states"):
-        for name, t in _float_tensors(state.get(section), section):
-            if not bool(torch.isfinite(t).all()):  # once per tensor at load, not a hot path
-                bad.append(name)
-    return bad
+    """The names of the weights (``state_dict``) and optimizer state tensors holding a NaN or inf
+    (floating and complex tensors only: integer ones cannot)."""
+    return [
+        name
+        for section in ("state_dict", "optimizer_states")
+        for name, t in _float_tensors(state.get(section), section)
+        if not all_finite(t)
+    ]
 
 
 def verify_checkpoint(path: str | Path) -> dict[str, Any]:
