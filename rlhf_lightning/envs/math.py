@@ -10,12 +10,15 @@ from typing import Any
 
 from rlhf_lightning.config import ASSETS
 from rlhf_lightning.envs.files import read_rows, require_columns, split_rows
-from rlhf_lightning.envs.math_check import equivalent
-from rlhf_lightning.runtime.workers import CallTimeout, StartTimeout, WorkerDied, shared_pool
+from rlhf_lightning.envs.math_check import EQUIVALENT
+from rlhf_lightning.runtime.workers import CallTimeout, StartTimeout, WorkerDied, in_worker, shared_pool
 
 SAMPLE_FILE = ASSETS / "math_sample.jsonl"
 VERIFY_TIMEOUT_S = 5.0  # math-verify's own limit on parsing each side and on comparing them
 VERIFY_WORKERS = 2  # worker processes that run checks (shared by every env of this process)
+# In an env step worker (env.step_workers=process) its one step runs at a time: one check worker
+# each, not VERIFY_WORKERS (env.concurrency step workers would otherwise start twice as many).
+VERIFY_WORKERS_IN_A_WORKER = 1
 log = logging.getLogger(__name__)
 
 
@@ -29,15 +32,18 @@ def verify(completion: str, gold: str, timeout_s: float = VERIFY_TIMEOUT_S) -> b
     thread, which env steps on threads and the async rollout thread are not. In the worker,
     math-verify stops a parse or the comparison after ``timeout_s`` (not equal); a check still
     running ``3 * timeout_s + 1`` seconds after it started is stopped with its worker (killed and
-    replaced), logged, and counts as not correct.
+    replaced), logged, and counts as not correct. math-verify is imported by the worker as it
+    starts (:data:`~rlhf_lightning.envs.math_check.EQUIVALENT`), outside any check's deadline.
+    Inside an env step worker process the pool has one worker (:data:`VERIFY_WORKERS_IN_A_WORKER`).
     """
     if not _math_verify_installed():
         raise ImportError("env=math needs math-verify: pip install 'rlhf_lightning[math]'")
     if timeout_s <= 0:
         raise ValueError(f"verify's timeout_s must be > 0 seconds, got {timeout_s}")
     deadline_s = 3 * timeout_s + 1
-    outcome = shared_pool("math-verify", VERIFY_WORKERS).call(
-        equivalent, (completion, gold, timeout_s), timeout_s=deadline_s
+    size = VERIFY_WORKERS_IN_A_WORKER if in_worker() else VERIFY_WORKERS
+    outcome = shared_pool("math-verify", size).call(
+        EQUIVALENT, (completion, gold, timeout_s), timeout_s=deadline_s
     )
     if outcome.error is None:
         return bool(outcome.output)

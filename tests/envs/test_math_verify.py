@@ -111,3 +111,55 @@ def test_math_env_takes_a_verify_limit():
     assert env.verify_timeout_s == 2.5
     with pytest.raises(ValueError, match=r"env\.kwargs\.verify_timeout_s must be > 0 seconds, got 0"):
         MathEnv(verify_timeout_s=0)
+
+
+WHAT_THE_WORKER_UNPICKLES = """
+import pickle, sys
+from rlhf_lightning.envs import math as math_env
+from rlhf_lightning.runtime.workers import Outcome
+sent = []
+
+class Pool:
+    def call(self, fn, args, timeout_s=None):
+        sent.append(pickle.dumps((fn, args)))
+        return Outcome(output=True)
+
+math_env.shared_pool = lambda name, size: Pool()
+assert math_env.verify("\\\\boxed{1}", "1") is True
+assert "math_verify" not in sys.modules, "the parent process imported math-verify"
+fn, args = pickle.loads(sent[0])  # what a worker does before it starts the call's clock
+print("math_verify" in sys.modules, fn(*args))
+"""
+
+
+def test_a_worker_imports_math_verify_before_the_checks_deadline_starts():
+    """The call's limit counts from the moment the worker has it unpickled: unpickling the check
+    imports math-verify (seconds on a loaded machine), so a fresh worker's first check gets its
+    whole deadline; the parent never imports it."""
+    done = subprocess.run(
+        [sys.executable, "-c", WHAT_THE_WORKER_UNPICKLES],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True"]
+
+
+def test_inside_an_env_step_worker_the_checks_use_one_worker(monkeypatch):
+    sizes = []
+
+    class Pool:
+        def call(self, fn, args, timeout_s=None):
+            return Outcome(output=True)
+
+    def pool(name, size):
+        sizes.append(size)
+        return Pool()
+
+    monkeypatch.setattr(math_env, "shared_pool", pool)
+    assert verify("\\boxed{1}", "1") is True  # the trainer's process (env steps on threads)
+    monkeypatch.setattr(math_env, "in_worker", lambda: True)  # an env.step_workers=process worker
+    assert verify("\\boxed{1}", "1") is True
+    assert sizes == [2, 1]
