@@ -270,8 +270,9 @@ def check_model_fit(cfg: DictConfig) -> None:
     longest, field = (
         (engine_len, "rollout.max_model_len") if engine_len else (e.max_model_len, "env.max_model_len")
     )
+    positions, source = rope_scaled_positions(text, positions)
     if isinstance(positions, int) and longest > positions:
-        where = f"the model's {positions} positions (max_position_embeddings in {cfg.model.path}/config.json)"
+        where = f"the model's {positions} positions ({source} in {cfg.model.path}/config.json)"
         rotary = any(k in text for k in ("rope_theta", "rope_parameters", "rope_scaling"))
         if r.engine == "hf" and rotary:  # rotary positions go on; quality past them is the user's call
             log.warning(
@@ -290,7 +291,7 @@ def check_model_fit(cfg: DictConfig) -> None:
             f"ids below the model's vocab_size={vocab}",
         )
     kv = r.get("kv_cache_memory_bytes")
-    if r.engine == "vllm" and kv is not None:
+    if r.engine == "vllm" and kv is not None and full_attention_everywhere(text):
         need = kv_bytes_per_token(text, str(r.get("dtype", "auto")))
         length = engine_len if engine_len is not None else e.max_model_len
         if need is not None:
@@ -301,6 +302,45 @@ def check_model_fit(cfg: DictConfig) -> None:
                 f">= {need * length} bytes: one sequence of {length} tokens needs {need} bytes per token "
                 f"of KV cache ({cfg.model.path}); raise it (e.g. {64 << 20}, 64 MiB) or lower env.max_model_len",
             )
+
+
+def rope_scaled_positions(config: dict[str, Any], positions: Any) -> tuple[Any, str]:
+    """The longest sequence vLLM accepts for ``config``'s ``positions`` (max_position_embeddings)
+    under its RoPE scaling, as vLLM derives it: ``rope_scaling`` (or transformers 5's
+    ``rope_parameters``) with a numeric ``factor`` multiplies the positions (yarn: its
+    ``original_max_position_embeddings`` when given), except for the types whose
+    max_position_embeddings is already the extended length (llama3, longrope, su) and Gemma 3.
+    Returns the positions and where they come from, for messages."""
+    rope = config.get("rope_scaling") or config.get("rope_parameters")
+    if not isinstance(positions, int) or not isinstance(rope, dict):
+        return positions, "max_position_embeddings"
+    factor = rope.get("factor")
+    kind = str(rope.get("rope_type") or rope.get("type") or "")
+    if (
+        not isinstance(factor, (int, float))
+        or isinstance(factor, bool)
+        or factor <= 0
+        or kind in ("llama3", "longrope", "su")
+        or "gemma3" in str(config.get("model_type", ""))
+    ):
+        return positions, "max_position_embeddings"
+    base, name = positions, "max_position_embeddings"
+    original = rope.get("original_max_position_embeddings")
+    if kind == "yarn" and isinstance(original, int) and original > 0:
+        base, name = original, "original_max_position_embeddings"
+    return int(base * factor), f"{name}={base} x rope factor {factor}"
+
+
+def full_attention_everywhere(config: dict[str, Any]) -> bool:
+    """Whether every layer of ``config`` keeps keys and values of every position for every KV head
+    (what :func:`kv_bytes_per_token` counts). Not so with a sliding window (``sliding_window`` set
+    and ``use_sliding_window`` not false), layers of other kinds (``layer_types`` other than
+    ``full_attention``: hybrid and sliding layers) or multi-head latent attention (``kv_lora_rank``):
+    their cache is smaller, and vLLM checks it itself."""
+    sliding = config.get("sliding_window") is not None and config.get("use_sliding_window") is not False
+    layer_types = config.get("layer_types")
+    mixed = isinstance(layer_types, list) and any(t != "full_attention" for t in layer_types)
+    return not (sliding or mixed or config.get("kv_lora_rank") is not None)
 
 
 def kv_bytes_per_token(config: dict[str, Any], dtype: str) -> int | None:

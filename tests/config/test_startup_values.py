@@ -5,6 +5,7 @@ what to set instead."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -198,5 +199,81 @@ def test_a_checkpoint_monitor_the_rollout_evaluation_never_logs_is_refused(overr
     with pytest.raises(
         ConfigError,
         match=r"checkpoint\.monitor='eval/.*': a metric this run logs: one of eval/accuracy_greedy",
+    ):
+        early_checks(cfg)
+
+
+DROP = object()  # a change that removes the key
+
+
+def model_dir(tmp_path: Path, **changes: object) -> str:
+    """A model directory whose config.json is the tiny model's (4 layers, 2 KV heads of 32 dims,
+    float32, 512 positions, rotary, every layer full attention) with ``changes``."""
+    config = json.loads((Path(TINY_MODEL_DIR) / "config.json").read_text())
+    assert config["max_position_embeddings"] == 512 and config["sliding_window"] is None
+    config.update(changes)
+    config = {k: v for k, v in config.items() if v is not DROP}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+ROPE_SCALED = [  # (rope fields of config.json, the longest env.max_model_len vLLM accepts)
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}}, 2048),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}}, 1024),
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, 1024),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 3}}, 1536),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e6}}, 1024),  # transformers 5
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, 512),  # its positions already extended
+    ({"rope_scaling": {"rope_type": "linear", "factor": "4"}}, 512),  # not a number: not scaled
+    ({"rope_scaling": None}, 512),
+]
+
+
+@pytest.mark.parametrize(("rope", "longest"), ROPE_SCALED)
+def test_rope_scaling_extends_the_positions_a_vllm_length_is_checked_against(tmp_path, rope, longest):
+    path = model_dir(tmp_path, **rope)
+    early_checks(compose_config(["rollout=vllm", f"model.path={path}", f"env.max_model_len={longest}"]))
+    with pytest.raises(
+        ConfigError, match=rf"env\.max_model_len={longest + 1}: <= the model's {longest} positions"
+    ):
+        early_checks(
+            compose_config(["rollout=vllm", f"model.path={path}", f"env.max_model_len={longest + 1}"])
+        )
+
+
+def test_a_scaled_length_is_explained_in_the_error(tmp_path):
+    path = model_dir(
+        tmp_path, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
+    )
+    with pytest.raises(ConfigError) as err:
+        early_checks(compose_config(["rollout=vllm", f"model.path={path}", "env.max_model_len=1025"]))
+    assert str(err.value) == (
+        f"invalid config: env.max_model_len=1025: <= the model's 1024 positions (original_max_position_embeddings"
+        f"=256 x rope factor 4.0 in {path}/config.json) with rollout.engine=vllm; lower it"
+    )
+
+
+@pytest.mark.parametrize(
+    ("attention", "checked"),
+    [
+        ({}, True),  # the tiny model: every layer full attention (layer_types all full_attention)
+        ({"sliding_window": 128, "use_sliding_window": False}, True),  # Qwen2's window, switched off
+        ({"sliding_window": 128, "use_sliding_window": DROP}, False),  # Mistral-style: 128 positions kept
+        ({"sliding_window": 128, "use_sliding_window": True}, False),
+        ({"layer_types": ["sliding_attention", "full_attention"] * 2}, False),  # hybrid (Gemma-style)
+        ({"layer_types": ["linear_attention", "full_attention"] * 2}, False),  # hybrid (Qwen3-Next-style)
+        ({"kv_lora_rank": 512}, False),  # multi-head latent attention (DeepSeek-style)
+    ],
+)
+def test_the_kv_cache_size_is_checked_only_for_full_attention_in_every_layer(tmp_path, attention, checked):
+    """Keys and values of every layer for every KV head is what a full-attention model caches;
+    a sliding-window, hybrid or latent-attention model caches less, and vLLM checks it itself."""
+    path = model_dir(tmp_path, **attention)
+    cfg = compose_config(["rollout=vllm", f"model.path={path}", "rollout.kv_cache_memory_bytes=4096"])
+    if not checked:
+        early_checks(cfg)
+        return
+    with pytest.raises(
+        ConfigError, match=rf"rollout\.kv_cache_memory_bytes=4096: >= {TINY_KV_PER_TOKEN * 512} bytes"
     ):
         early_checks(cfg)
