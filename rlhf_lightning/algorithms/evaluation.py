@@ -8,6 +8,7 @@ the one-process value on the same episodes.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -15,12 +16,13 @@ from typing import Any
 import torch
 
 from rlhf_lightning.algorithms.common import ModuleMixin
-from rlhf_lightning.config.errors import ConfigError
 from rlhf_lightning.data.prompts import PAD_ROW
 from rlhf_lightning.models.sharding import gathered
 from rlhf_lightning.rollout.engine import SamplingParams
 from rlhf_lightning.rollout.harness import SUCCESS_KEYS, RolloutResult, reward_value, success_flag
 from rlhf_lightning.runtime import rng
+
+log = logging.getLogger(__name__)
 
 
 def episode_success(traj: Any) -> float:
@@ -120,6 +122,7 @@ class RolloutEvaluation(ModuleMixin):
     _eval_totals: dict[str, torch.Tensor] | None = None  # [sum, count] per metric, this rank
     _rng_before_eval: dict[str, Any] | None = None
     _eval_info_keys: set[str]  # the info keys this rank's evaluation episodes returned
+    _info_metrics_warned: set[str]  # eval.info_metrics keys already warned about (once each)
 
     def rollout(
         self,
@@ -195,22 +198,32 @@ class RolloutEvaluation(ModuleMixin):
             if self.eval_info_metrics:  # for the message when a configured key never comes
                 self._eval_info_keys.update(k for t in result.trajectories for info in t.infos for k in info)
 
-    def check_info_metrics(self, metrics: dict[str, torch.Tensor]) -> None:
-        """Refuse an ``eval.info_metrics`` key that no evaluation episode returned as a number (a
-        typo would otherwise log nothing, silently). ``metrics`` are global: every rank decides
-        the same."""
+    def check_info_metrics(self, metrics: dict[str, torch.Tensor]) -> list[str]:
+        """Warn (once per key, rank 0) about an ``eval.info_metrics`` key that no evaluation
+        episode returned as a number: a typo would otherwise log nothing, silently. Not an
+        error: an env may return a key on some episodes only (e.g. on success), so the first
+        evaluation, before any training, can lack it. ``metrics`` are global: every rank
+        decides the same. Returns the keys warned about now."""
         ran = [mode for mode in ("greedy", "sampled") if f"eval/accuracy_{mode}" in metrics]
+        warned: set[str] = getattr(self, "_info_metrics_warned", set())
+        self._info_metrics_warned = warned
         missing = [
-            k for k in self.eval_info_metrics if ran and all(f"eval/env_{k}_{m}" not in metrics for m in ran)
+            k
+            for k in self.eval_info_metrics
+            if ran and k not in warned and all(f"eval/env_{k}_{m}" not in metrics for m in ran)
         ]
-        if missing:
+        warned.update(missing)
+        if missing and self.global_rank == 0:
             seen = sorted(getattr(self, "_eval_info_keys", set()))
-            raise ConfigError(
-                "eval.info_metrics",
-                list(self.eval_info_metrics),
-                f"info keys the env returns as numbers: {', '.join(missing)} came in no evaluation episode "
-                f"(the env's step infos held {', '.join(seen) or 'nothing'}); fix or drop them",
+            log.warning(
+                "eval.info_metrics: %s came in no evaluation episode as a number at step %d (the env's "
+                "step infos held %s); eval/env_<key>_* is logged once an episode returns it: check "
+                "the spelling if it never is",
+                ", ".join(missing),
+                self.global_step,
+                ", ".join(seen) or "nothing",
             )
+        return missing
 
     def on_validation_epoch_end(self) -> None:
         totals = self._eval_totals if self._eval_totals is not None else {}
