@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from rlhf_lightning.algorithms.common import ModuleMixin
+from rlhf_lightning.config.sections import pass_ks
 from rlhf_lightning.data.prompts import PAD_ROW
 from rlhf_lightning.models.sharding import gathered
 from rlhf_lightning.rollout.engine import SamplingParams
@@ -48,12 +49,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-def pass_ks(n: int) -> list[int]:
-    """k = 1, 2, 4, ... up to n, and n itself."""
-    ks = [k for k in (2**i for i in range(n.bit_length())) if k <= n]
-    return sorted({*ks, n})
 
 
 def episode_values(result: RolloutResult, n: int) -> dict[str, torch.Tensor]:

@@ -21,6 +21,7 @@ from rlhf_lightning.config.algo import (
 )
 from rlhf_lightning.config.errors import ConfigError, check, check_model_path
 from rlhf_lightning.config.sections import check_sections, validate_precision
+from rlhf_lightning.config.server_args import PROCESSED_LOGPROBS, logprobs_modes
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOGGERS = ("csv", "tensorboard", "wandb")
@@ -184,10 +185,8 @@ def validate_server_fields(r: DictConfig) -> None:
         check(r[name] > 0, f"rollout.{name}", r[name], "> 0")
     check(r.request_retries >= 0, "rollout.request_retries", r.request_retries, ">= 0")
     args = [str(a) for a in r.server_args]
-    modes = [v for i, a in enumerate(args) for v in (args[i + 1 : i + 2] if a == "--logprobs-mode" else [])]
-    modes += [a.split("=", 1)[1] for a in args if a.startswith("--logprobs-mode=")]
     check(
-        all(m == "processed_logprobs" for m in modes),
+        all(m == PROCESSED_LOGPROBS for m in logprobs_modes(args)),
         "rollout.server_args",
         args,
         "no --logprobs-mode but processed_logprobs (the log-probs the ratio needs: after temperature "

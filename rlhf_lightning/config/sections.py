@@ -100,16 +100,24 @@ def validate_checkpoint(c: DictConfig) -> None:
     check(c.monitor_mode in ("max", "min"), "checkpoint.monitor_mode", c.monitor_mode, "max or min")
 
 
+def pass_ks(n: int) -> list[int]:
+    """The k of the ``eval/pass@k`` metrics from ``n`` samples per problem: 1, 2, 4, ... up to
+    n, and n itself (``algorithms/evaluation.py`` computes them; listed here, torch-free, for
+    :func:`rollout_eval_metrics` too)."""
+    ks = [k for k in (2**i for i in range(n.bit_length())) if k <= n]
+    return sorted({*ks, n})
+
+
 def rollout_eval_metrics(ev: DictConfig) -> list[str]:
     """Every ``eval/`` metric the built-in rollout families can log with these ``eval`` settings
     (``algorithms/evaluation.py``), whichever of greedy and sampled is on: accuracy and return per
-    mode, ``env_<key>_<mode>`` per ``eval.info_metrics`` key, ``pass@k`` (k = 1, 2, 4, ... and
-    ``eval.num_samples``) with several samples."""
+    mode, ``env_<key>_<mode>`` per ``eval.info_metrics`` key, ``pass@k`` (k in :func:`pass_ks`
+    of ``eval.num_samples``) with several samples."""
     names = [f"{m}_{mode}" for m in ("accuracy", "return") for mode in ("greedy", "sampled")]
     names += [f"env_{k}_{mode}" for k in ev.info_metrics for mode in ("greedy", "sampled")]
     n = ev.num_samples
     if n > 1:
-        names += [f"pass@{k}" for k in sorted({*(2**i for i in range(n.bit_length()) if 2**i <= n), n})]
+        names += [f"pass@{k}" for k in pass_ks(n)]
     return [f"eval/{name}" for name in names]
 
 

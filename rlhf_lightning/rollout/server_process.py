@@ -26,6 +26,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlhf_lightning.config.server_args import PROCESSED_LOGPROBS, logprobs_modes
 from rlhf_lightning.runtime.children import kill_and_reap
 from rlhf_lightning.runtime.group_guard import describe, kill_group, popen_guarded
 
@@ -93,12 +94,11 @@ def lora_slot_rank(rank: int) -> int:
 def server_command(spec: LaunchSpec, port: int, devices: str | None) -> list[str]:
     """The command line of one server on ``port`` (``devices``: its CUDA devices, or None)."""
     extra = list(spec.extra_args)
-    modes = [extra[i + 1] for i, a in enumerate(extra[:-1]) if a == "--logprobs-mode"]
-    modes += [a.split("=", 1)[1] for a in extra if a.startswith("--logprobs-mode=")]
-    if any(m != "processed_logprobs" for m in modes):
+    modes = logprobs_modes(extra)
+    if any(m != PROCESSED_LOGPROBS for m in modes):
         raise ValueError(
             f"rollout.server_args={extra} sets --logprobs-mode {modes}: the servers need "
-            "processed_logprobs (the log-probs after temperature and filters); remove it"
+            f"{PROCESSED_LOGPROBS} (the log-probs after temperature and filters); remove it"
         )
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -109,7 +109,7 @@ def server_command(spec: LaunchSpec, port: int, devices: str | None) -> list[str
         "--max-model-len", str(spec.max_model_len),
         "--seed", str(spec.seed),
         # the sampled token's log-prob after penalty, temperature and filtering (Completion's kind)
-        "--logprobs-mode", "processed_logprobs",
+        "--logprobs-mode", PROCESSED_LOGPROBS,
         "--enable-prefix-caching" if spec.enable_prefix_caching else "--no-enable-prefix-caching",
         "--disable-uvicorn-access-log",
     ]  # fmt: skip
