@@ -11,7 +11,6 @@ import pickle
 import sys
 import time
 import types
-from pathlib import Path
 
 import pytest
 
@@ -19,6 +18,7 @@ from rlhf_lightning.config.errors import ConfigError
 from rlhf_lightning.rewards import FN_TIMEOUT_S, Episode, FunctionReward, build_reward
 from rlhf_lightning.runtime.workers import close_shared_pools
 from tests.rewards.copy_counting import CountsDeepCopies
+from tests.runtime.test_workers import alive
 
 EPISODES = [Episode("2+2?", ["4"], {"answer": "4"}), Episode("3+3?", ["six!"], {"answer": "6"})]
 
@@ -28,14 +28,6 @@ def no_shared_workers():
     close_shared_pools()
     yield
     close_shared_pools()
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2 :].split()[0] != "Z"
 
 
 @pytest.mark.parametrize("name", ["hangs", "spins"])

@@ -11,21 +11,13 @@ import pytest
 from rlhf_lightning.runtime import workers
 from rlhf_lightning.runtime.workers import CallTimeout, StartTimeout, WorkerPool, close_shared_pools
 from tests.runtime.spawners import quick, spawn_and_hang, spawn_and_return
+from tests.runtime.test_workers import alive
 
 
 @pytest.fixture(autouse=True)
 def no_shared_workers():
     close_shared_pools()
     yield
-
-
-def alive(pid: int) -> bool:
-    """Whether ``pid`` runs (exists and is not a zombie)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2 :].split()[0] != "Z"
 
 
 def gone_within(pid: int, seconds: float) -> bool:
