@@ -52,8 +52,8 @@ def main() -> None:
 
     from rlhf_lightning.models.build import build_policy, load_model, load_tokenizer
     from rlhf_lightning.models.tiny import TINY_MODEL_DIR
+    from rlhf_lightning.records.sampling import SamplingParams
     from rlhf_lightning.rollout.chat import ChatFormatter
-    from rlhf_lightning.rollout.engine import SamplingParams
     from rlhf_lightning.rollout.harness import RolloutHarness
     from rlhf_lightning.rollout.hf import HFEngine
 

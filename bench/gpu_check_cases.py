@@ -97,7 +97,7 @@ def flash_packed() -> Result:
     sequence alone under sdpa (transformers separates packed sequences by positions only in a
     one-row batch; the policy must not let several rows attend across their sequences)."""
     torch = _torch()
-    from rlhf_lightning.rollout.trajectory import segment_positions
+    from rlhf_lightning.records.trajectory import segment_positions
 
     # larger random weights than HF's init: peaked predictions, so attention mistakes show
     small = dict(

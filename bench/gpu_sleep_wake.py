@@ -32,7 +32,7 @@ def run_cycles(
     engine: Any, policy: Any, cycles: int, used_bytes: Callable[[], int], baseline: int, prompt: list[int]
 ) -> list[Cycle]:
     """The measured loop: ``used_bytes() - baseline`` is the engine's memory at each point."""
-    from rlhf_lightning.rollout.engine import SamplingParams
+    from rlhf_lightning.records.sampling import SamplingParams
 
     out = []
     for i in range(cycles):

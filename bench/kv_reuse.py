@@ -32,8 +32,8 @@ def play(model: Any, tok: Any, reuse: bool, episodes: int, seed: int) -> tuple[A
     import torch
 
     from rlhf_lightning.envs.gem import GemEnv
+    from rlhf_lightning.records.sampling import SamplingParams
     from rlhf_lightning.rollout.chat import ChatFormatter
-    from rlhf_lightning.rollout.engine import SamplingParams
     from rlhf_lightning.rollout.harness import RolloutHarness
     from rlhf_lightning.rollout.hf import HFEngine
 

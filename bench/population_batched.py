@@ -46,10 +46,10 @@ def main() -> None:
     from rlhf_lightning.models.adapters import ACTOR
     from rlhf_lightning.models.build import build_policy, load_model, load_tokenizer
     from rlhf_lightning.models.tiny import TINY_MODEL_DIR
-    from rlhf_lightning.rollout.engine import SamplingParams
+    from rlhf_lightning.records.sampling import SamplingParams
+    from rlhf_lightning.records.trajectory import Trajectory, collate
     from rlhf_lightning.rollout.harness import ChatFormatter
     from rlhf_lightning.rollout.hf import HFEngine
-    from rlhf_lightning.rollout.trajectory import Trajectory, collate
 
     path = str(TINY_MODEL_DIR)
     tok = load_tokenizer(path)

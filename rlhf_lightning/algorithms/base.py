@@ -38,10 +38,12 @@ from rlhf_lightning.learner.optimizer import StepHealth, adamw_with_schedule, to
 from rlhf_lightning.learner.scoring import finalize_rewards
 from rlhf_lightning.models.policy import Policy
 from rlhf_lightning.models.sharding import gathered
+from rlhf_lightning.records.result import RolloutResult
+from rlhf_lightning.records.sampling import SamplingParams
 from rlhf_lightning.rollout.async_plan import BatchSource
 from rlhf_lightning.rollout.collector import AsyncBatches, Collector
-from rlhf_lightning.rollout.engine import RolloutEngine, SamplingParams
-from rlhf_lightning.rollout.harness import RolloutHarness, RolloutResult
+from rlhf_lightning.rollout.engine import RolloutEngine
+from rlhf_lightning.rollout.harness import RolloutHarness
 from rlhf_lightning.rollout.hooks import hook_callbacks
 
 

@@ -50,7 +50,7 @@ def turn_metrics(
 def rollout_metrics(traj: Any, harness_metrics: dict[str, float]) -> dict[str, torch.Tensor]:
     """A training batch's ``rollout/*`` metrics (reward, length, empty share, turns) and the
     harness's own, on the CPU. ``traj``: the step's
-    :class:`~rlhf_lightning.rollout.trajectory.TrajectoryBatch`."""
+    :class:`~rlhf_lightning.records.trajectory.TrajectoryBatch`."""
     returns = traj.returns.float()
     out = {
         "rollout/reward_mean": returns.mean(),

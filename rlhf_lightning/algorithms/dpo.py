@@ -10,7 +10,7 @@ from rlhf_lightning.algorithms.offline import OfflineModule
 from rlhf_lightning.algorithms.spec import AlgorithmSpec, register_algorithm
 from rlhf_lightning.config import DPOConfig
 from rlhf_lightning.losses.preference import preference_loss, sequence_logps
-from rlhf_lightning.rollout.trajectory import TrajectoryBatch
+from rlhf_lightning.records.trajectory import TrajectoryBatch
 
 
 class DPOModule(OfflineModule):

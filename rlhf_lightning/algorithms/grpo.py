@@ -14,14 +14,13 @@ from rlhf_lightning.algorithms.common import Metrics
 from rlhf_lightning.algorithms.spec import AlgorithmSpec, register_algorithm
 from rlhf_lightning.config import GRPOConfig
 from rlhf_lightning.config.algo import RolloutAlgoConfig, node_params, registered_name
-from rlhf_lightning.learner.family import Family
-from rlhf_lightning.learner.learner import Learner
+from rlhf_lightning.learner.family import Family, LearnerView
 from rlhf_lightning.learner.member import Member
 from rlhf_lightning.learner.objective import PolicyTerm
 from rlhf_lightning.losses import get_advantage_estimator
 from rlhf_lightning.losses.advantages import ADVANTAGE_ESTIMATORS, informative_groups, postprocess_advantages
-from rlhf_lightning.rollout.harness import RolloutResult
-from rlhf_lightning.rollout.trajectory import Trajectory, TrajectoryBatch, collate
+from rlhf_lightning.records.result import RolloutResult
+from rlhf_lightning.records.trajectory import Trajectory, TrajectoryBatch, collate
 from rlhf_lightning.runtime.distributed import gather_rows
 
 GROUP_ID_STRIDE = 1 << 20  # rank r's group ids are offset by r * stride when gathered
@@ -45,7 +44,7 @@ class GRPOFamily(Family):
 
     def advantages(
         self,
-        learner: Learner,
+        learner: LearnerView,
         member: Member,
         traj: TrajectoryBatch,
         rewards: torch.Tensor,

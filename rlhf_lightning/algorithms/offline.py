@@ -15,9 +15,10 @@ from rlhf_lightning.algorithms.evaluation import RolloutEvaluation
 from rlhf_lightning.config.algo import OfflineConfig
 from rlhf_lightning.learner.optimizer import adamw_with_schedule
 from rlhf_lightning.models.policy import Policy
-from rlhf_lightning.rollout.engine import RolloutEngine, SamplingParams
+from rlhf_lightning.records.sampling import SamplingParams
+from rlhf_lightning.records.trajectory import TrajectoryBatch
+from rlhf_lightning.rollout.engine import RolloutEngine
 from rlhf_lightning.rollout.harness import RolloutHarness
-from rlhf_lightning.rollout.trajectory import TrajectoryBatch
 from rlhf_lightning.runtime.strategies import split_global
 
 log = logging.getLogger(__name__)

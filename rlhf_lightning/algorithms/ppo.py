@@ -22,14 +22,13 @@ from rlhf_lightning.learner.critic import (
     step_rewards,
     token_sums_to_steps,
 )
-from rlhf_lightning.learner.family import Family
-from rlhf_lightning.learner.learner import Learner
+from rlhf_lightning.learner.family import Family, LearnerView
 from rlhf_lightning.learner.member import Member
 from rlhf_lightning.learner.objective import CriticTerm, Objective, PolicyObjective, PolicyTerm
 from rlhf_lightning.learner.records import Advantages, CriticTargets, Scored
 from rlhf_lightning.losses import get_advantage_estimator
 from rlhf_lightning.losses.advantages import postprocess_advantages
-from rlhf_lightning.rollout.trajectory import TrajectoryBatch
+from rlhf_lightning.records.trajectory import TrajectoryBatch
 from rlhf_lightning.runtime.distributed import clip_by_norm, gather_rows, grad_norm
 
 LEGACY_LEARN_STEPS = "ppo_learn_steps"  # the warm-up counter's key in checkpoints before the Learner
@@ -67,7 +66,7 @@ class PPOFamily(Family):
     # ---------------------------------------------------------------- advantages
     def advantages(
         self,
-        learner: Learner,
+        learner: LearnerView,
         member: Member,
         traj: TrajectoryBatch,
         rewards: torch.Tensor,
@@ -139,13 +138,13 @@ class PPOFamily(Family):
         return not warming_up(member)
 
     def normalisers(
-        self, learner: Learner, norm: dict[str, Any], scored: Scored, rows: torch.Tensor
+        self, learner: LearnerView, norm: dict[str, Any], scored: Scored, rows: torch.Tensor
     ) -> dict[str, Any]:
         assert scored.critic is not None  # advantages always returns the targets
         steps = learner.stepper.global_count(scored.critic.step_mask[rows].sum().float())
         return {**norm, "num_steps": steps.clamp(min=1.0)}
 
-    def clip(self, learner: Learner, member: Member, optimizer: Any) -> Metrics:
+    def clip(self, learner: LearnerView, member: Member, optimizer: Any) -> Metrics:
         hp = cast(PPOConfig, member.hp)
         if hp.share_grad_clip:
             return super().clip(learner, member, optimizer)
@@ -176,7 +175,7 @@ def granularity(traj: TrajectoryBatch, setting: str) -> str:
 
 @torch.no_grad()
 def values_and_bootstrap(
-    learner: Learner, member: Member, traj: TrajectoryBatch
+    learner: LearnerView, member: Member, traj: TrajectoryBatch
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The critic's values at the action tokens (B, T) and after each row's last token (B,).
 

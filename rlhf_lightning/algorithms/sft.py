@@ -9,7 +9,7 @@ from rlhf_lightning.algorithms.common import Metrics
 from rlhf_lightning.algorithms.offline import OfflineModule
 from rlhf_lightning.algorithms.spec import AlgorithmSpec, register_algorithm
 from rlhf_lightning.config import SFTConfig
-from rlhf_lightning.rollout.trajectory import TrajectoryBatch
+from rlhf_lightning.records.trajectory import TrajectoryBatch
 
 
 class SFTModule(OfflineModule):

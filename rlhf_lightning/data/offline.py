@@ -1,6 +1,6 @@
 """Offline data for SFT and DPO: local files encoded into token-exact trajectories.
 
-An example becomes a :class:`~rlhf_lightning.rollout.trajectory.Trajectory` exactly as the rollout
+An example becomes a :class:`~rlhf_lightning.records.trajectory.Trajectory` exactly as the rollout
 harness would have built it (chat-templated prompt, then each assistant reply's ids plus the
 end-of-turn token, then the next user turn as the template renders it), so supervised,
 preference and RL stages all train on the same token layout. Assistant tokens are the
@@ -20,8 +20,8 @@ from rlhf_lightning.config.errors import ConfigError
 from rlhf_lightning.data.prompts import eval_row_loader, per_rank_batch
 from rlhf_lightning.data.resumable import resumable_loader
 from rlhf_lightning.envs.files import read_rows, split_rows, warn_shared_rows
+from rlhf_lightning.records.trajectory import Trajectory, TrajectoryBatch, collate, segment_positions
 from rlhf_lightning.rollout.harness import ChatFormatter
-from rlhf_lightning.rollout.trajectory import Trajectory, TrajectoryBatch, collate, segment_positions
 
 log = logging.getLogger(__name__)
 

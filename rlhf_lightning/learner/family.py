@@ -8,20 +8,38 @@ member it is about; the learner passes itself for the policy, the ranks and the 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
 from rlhf_lightning.config.algo import RolloutAlgoConfig
 from rlhf_lightning.learner.member import Member
 from rlhf_lightning.learner.objective import CriticTerm, Objective, PolicyTerm
+from rlhf_lightning.learner.plan import UpdatePlan
 from rlhf_lightning.learner.records import Advantages, Scored
-from rlhf_lightning.rollout.trajectory import TrajectoryBatch
-
-if TYPE_CHECKING:
-    from rlhf_lightning.learner.learner import Learner
+from rlhf_lightning.learner.stepper import Stepper
+from rlhf_lightning.records.trajectory import TrajectoryBatch
 
 Metrics = dict[str, torch.Tensor]
+
+
+class LearnerView(Protocol):
+    """What a family may ask of the learner it serves (:class:`~rlhf_lightning.learner.learner.
+    Learner`): the policy, the optimizer stepper, the ranks and a member's update plan."""
+
+    @property
+    def policy(self) -> Any: ...
+
+    @property
+    def stepper(self) -> Stepper: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def plan(self, member: Member) -> UpdatePlan: ...
 
 
 class Family:
@@ -38,7 +56,7 @@ class Family:
 
     def advantages(
         self,
-        learner: Learner,
+        learner: LearnerView,
         member: Member,
         traj: TrajectoryBatch,
         rewards: torch.Tensor,
@@ -76,12 +94,12 @@ class Family:
         return False
 
     def normalisers(
-        self, learner: Learner, norm: dict[str, Any], scored: Scored, rows: torch.Tensor
+        self, learner: LearnerView, norm: dict[str, Any], scored: Scored, rows: torch.Tensor
     ) -> dict[str, Any]:
         """The loss denominators of a mini-batch (``rows``), with the family's own added."""
         return norm
 
-    def clip(self, learner: Learner, member: Member, optimizer: Any) -> Metrics:
+    def clip(self, learner: LearnerView, member: Member, optimizer: Any) -> Metrics:
         """Clip the gradients before the step; returns the norms before clipping."""
         return learner.stepper.clip_all(optimizer, member.hp.grad_clip)
 

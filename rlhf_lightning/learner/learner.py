@@ -28,7 +28,7 @@ from rlhf_lightning.learner.plan import UpdatePlan, no_grad_head
 from rlhf_lightning.learner.records import Metrics, Scored, UpdateInputs
 from rlhf_lightning.learner.scoring import Scorer
 from rlhf_lightning.learner.stepper import Stepper
-from rlhf_lightning.rollout.trajectory import TrajectoryBatch
+from rlhf_lightning.records.trajectory import TrajectoryBatch
 
 
 class MetricAccumulator:

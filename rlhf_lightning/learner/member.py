@@ -18,7 +18,7 @@ import torch
 
 from rlhf_lightning.config.algo import RolloutAlgoConfig
 from rlhf_lightning.learner.optimizer import StepHealth
-from rlhf_lightning.rollout.engine import SamplingParams
+from rlhf_lightning.records.sampling import SamplingParams
 
 Metrics = dict[str, torch.Tensor]
 

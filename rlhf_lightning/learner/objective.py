@@ -28,7 +28,7 @@ from rlhf_lightning.losses.masked import masked_mean
 from rlhf_lightning.losses.policy import POLICY_LOSSES, loss_kwargs
 from rlhf_lightning.losses.value import clipped_value_loss
 from rlhf_lightning.models.policy import Policy
-from rlhf_lightning.rollout.trajectory import TrajectoryBatch
+from rlhf_lightning.records.trajectory import TrajectoryBatch
 
 Backward = Callable[[torch.Tensor], None]
 

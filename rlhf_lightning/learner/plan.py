@@ -18,7 +18,7 @@ import torch
 
 from rlhf_lightning.config.algo import RolloutAlgoConfig
 from rlhf_lightning.learner.microbatch import split_by_tokens, split_rows
-from rlhf_lightning.rollout.trajectory import TrajectoryBatch
+from rlhf_lightning.records.trajectory import TrajectoryBatch
 from rlhf_lightning.runtime.distributed import agree_max
 from rlhf_lightning.runtime.strategies import split_global
 

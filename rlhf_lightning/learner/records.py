@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from rlhf_lightning.rollout.trajectory import TrajectoryBatch
+from rlhf_lightning.records.trajectory import TrajectoryBatch
 
 Metrics = dict[str, torch.Tensor]
 

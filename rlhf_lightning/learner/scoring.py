@@ -24,8 +24,8 @@ from rlhf_lightning.losses import kl
 from rlhf_lightning.losses.corrections import offpolicy_mask, overlong_penalty
 from rlhf_lightning.losses.kl import kl_penalized_returns, kl_shaped_advantages
 from rlhf_lightning.losses.masked import masked_mean
-from rlhf_lightning.rollout.harness import RolloutResult
-from rlhf_lightning.rollout.trajectory import TrajectoryBatch, collate
+from rlhf_lightning.records.result import RolloutResult
+from rlhf_lightning.records.trajectory import TrajectoryBatch, collate
 from rlhf_lightning.runtime.distributed import all_sum
 
 # (batch, per-turn rewards (B, K), returns (B,)) -> advantages

@@ -27,8 +27,9 @@ from rlhf_lightning.learner.member import Member
 from rlhf_lightning.learner.optimizer import set_base_lrs
 from rlhf_lightning.learner.plan import UpdatePlan
 from rlhf_lightning.models.adapters import copy_adapter
-from rlhf_lightning.rollout.harness import RolloutHarness, RolloutResult
-from rlhf_lightning.rollout.trajectory import Trajectory, collate
+from rlhf_lightning.records.result import RolloutResult
+from rlhf_lightning.records.trajectory import Trajectory, collate
+from rlhf_lightning.rollout.harness import RolloutHarness
 
 # (hyper-parameters, the algorithm's config values, world size, member id) -> raises if invalid
 MemberCheck = Callable[[dict[str, float], dict[str, Any], int, int], None]

@@ -21,8 +21,8 @@ from typing import Protocol
 
 import torch
 
+from rlhf_lightning.records.result import RolloutResult
 from rlhf_lightning.rollout.async_producer import Placement
-from rlhf_lightning.rollout.harness import RolloutResult
 
 Weights = dict[str, torch.Tensor]
 PARTIAL_VERSIONS = ("newest", "planned")

@@ -45,8 +45,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from rlhf_lightning.rollout.engine import Completion, SamplingParams
-from rlhf_lightning.rollout.harness import RolloutResult
+from rlhf_lightning.records.result import RolloutResult
+from rlhf_lightning.records.sampling import Completion, SamplingParams
 from rlhf_lightning.rollout.kv_reuse import TurnCache
 from rlhf_lightning.runtime import rng
 from rlhf_lightning.runtime.channel import (

@@ -37,6 +37,8 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
+from rlhf_lightning.records.result import RolloutResult
+from rlhf_lightning.records.sampling import SamplingParams
 from rlhf_lightning.rollout.async_plan import (
     AsyncSettings,
     BatchSource,
@@ -56,8 +58,6 @@ from rlhf_lightning.rollout.async_producer import (
     load_spooled,
     producer_main,
 )
-from rlhf_lightning.rollout.engine import SamplingParams
-from rlhf_lightning.rollout.harness import RolloutResult
 from rlhf_lightning.runtime import rng
 from rlhf_lightning.runtime.channel import (
     ChannelClosed,

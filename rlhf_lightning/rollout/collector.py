@@ -17,9 +17,9 @@ from typing import Any, Protocol
 
 import torch
 
+from rlhf_lightning.records.result import RolloutResult
+from rlhf_lightning.records.sampling import SamplingParams
 from rlhf_lightning.rollout.async_plan import BatchSource, RowPlan, is_stale
-from rlhf_lightning.rollout.engine import SamplingParams
-from rlhf_lightning.rollout.harness import RolloutResult
 
 Metrics = dict[str, torch.Tensor]
 

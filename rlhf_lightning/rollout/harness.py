@@ -11,24 +11,25 @@ import json
 import logging
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, cast
 
 from transformers import PreTrainedTokenizerBase
 
 from rlhf_lightning.config.errors import UserCodeError
 from rlhf_lightning.envs.base import Observation, TextEnv
+from rlhf_lightning.records.result import RolloutResult
+from rlhf_lightning.records.sampling import Completion, SamplingParams
+from rlhf_lightning.records.trajectory import Trajectory, collate
 from rlhf_lightning.rewards import CombinedReward, reward_value
 from rlhf_lightning.rollout.chat import ChatFormatter, latest_view, observation_problem
-from rlhf_lightning.rollout.engine import AdapterSampler, Completion, Sampler, SamplingParams
+from rlhf_lightning.rollout.engine import AdapterSampler, Sampler
 from rlhf_lightning.rollout.stepping import EnvStepper, StepOutcome, StepTimeout, check_step_output
-from rlhf_lightning.rollout.trajectory import Trajectory, TrajectoryBatch, collate
 
 __all__ = [
     "SUCCESS_KEYS",
     "ChatFormatter",
     "RolloutHarness",
-    "RolloutResult",
     "latest_view",
     "reward_value",
     "success_flag",
@@ -85,13 +86,6 @@ def check_reset_output(env: Any, out: Any) -> tuple[Observation, dict[str, Any]]
     if info is not None and not isinstance(info, dict):
         raise TypeError(f"{name} returned info of type {type(info).__name__}; expected a dict")
     return obs, info or {}
-
-
-@dataclass
-class RolloutResult:
-    batch: TrajectoryBatch
-    trajectories: list[Trajectory]
-    metrics: dict[str, float] = field(default_factory=dict)
 
 
 class RolloutHarness:

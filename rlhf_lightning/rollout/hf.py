@@ -29,7 +29,8 @@ from transformers.generation import (
 
 from rlhf_lightning.models.mixed_lora import grouped_mixed_batches
 from rlhf_lightning.models.prompt_sharing import cache_kwarg, output_cache
-from rlhf_lightning.rollout.engine import Completion, EngineBase, SamplingParams
+from rlhf_lightning.records.sampling import Completion, SamplingParams
+from rlhf_lightning.rollout.engine import EngineBase
 from rlhf_lightning.rollout.kv_reuse import TurnCache, prefill_shared
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from rlhf_lightning.rollout.engine import Completion
+from rlhf_lightning.records.sampling import Completion
 from rlhf_lightning.rollout.server_client import BadAnswer, ServerClient
 
 # A completion's answer: the choices' text, tokens, log-probs and offsets take well under 1 KiB

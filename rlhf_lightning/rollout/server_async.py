@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from rlhf_lightning.records.result import RolloutResult
+from rlhf_lightning.records.sampling import SamplingParams
 from rlhf_lightning.rollout.async_plan import (
     AsyncSettings,
     BatchSource,
@@ -43,8 +45,7 @@ from rlhf_lightning.rollout.async_plan import (
 )
 from rlhf_lightning.rollout.async_producer import POLL_S, Produced, Request, Stop, VersionedSampler, planned
 from rlhf_lightning.rollout.async_rollout import AsyncRollouts
-from rlhf_lightning.rollout.engine import SamplingParams
-from rlhf_lightning.rollout.harness import RolloutHarness, RolloutResult
+from rlhf_lightning.rollout.harness import RolloutHarness
 from rlhf_lightning.rollout.vllm_server import VLLMServerEngine
 
 log = logging.getLogger(__name__)

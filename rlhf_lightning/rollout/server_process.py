@@ -7,7 +7,7 @@ one entry: tensor parallel over them), its output in ``<run>/servers/server-<i>.
 under :mod:`~rlhf_lightning.runtime.group_guard`, so the server and its engine process end with
 the trainer however it ends (``kill -9`` included), and a server that dies takes its engine
 process with it. The server is started with what the run needs: the run's model and dtype,
-processed log-probs (the :class:`~rlhf_lightning.rollout.engine.Completion` contract), LoRA
+processed log-probs (the :class:`~rlhf_lightning.records.sampling.Completion` contract), LoRA
 slots when the run trains an adapter (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``: adapters load at run
 time), and the development endpoints (``VLLM_SERVER_DEV_MODE``, safe on 127.0.0.1) through which
 full fine-tuning reloads the weights and resets the prefix cache.

@@ -23,7 +23,7 @@ import torch
 
 from rlhf_lightning.models.adapters import save_adapters
 from rlhf_lightning.models.policy import Policy
-from rlhf_lightning.rollout.engine import Completion, SamplingParams
+from rlhf_lightning.records.sampling import Completion, SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from rlhf_lightning.rollout.engine import Completion, SamplingParams
+from rlhf_lightning.records.sampling import Completion, SamplingParams
 from rlhf_lightning.rollout.server_answers import answer_limit, check_processed_logprobs, completions_of
 from rlhf_lightning.rollout.server_client import RequestPolicy, ServerClient, ServerError, resume_hint
 from rlhf_lightning.rollout.server_process import LaunchSpec, ServerProcess, launch

@@ -26,8 +26,8 @@ def run_spec(spec: dict) -> None:
     from lightning.pytorch.strategies import DDPStrategy
     from torch.utils.data import DataLoader, Subset
 
-    from rlhf_lightning.rollout.harness import RolloutResult
-    from rlhf_lightning.rollout.trajectory import collate
+    from rlhf_lightning.records.result import RolloutResult
+    from rlhf_lightning.records.trajectory import collate
     from rlhf_lightning.run import build
     from rlhf_lightning.runtime.distributed import is_dtensor
     from rlhf_lightning.runtime.strategies import fsdp2_strategy

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import torch
 
+from rlhf_lightning.records.sampling import SamplingParams
 from rlhf_lightning.rollout.async_plan import AsyncSettings, BatchSource, batch_seed
 from rlhf_lightning.rollout.async_producer import Produced
 from rlhf_lightning.rollout.async_rollout import AsyncRollouts
-from rlhf_lightning.rollout.engine import SamplingParams
 from tests.algorithms.test_async_units import (
     build_exiting,
     build_failing,

@@ -21,6 +21,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlhf_lightning.records.result import RolloutResult
+from rlhf_lightning.records.sampling import Completion, SamplingParams
+from rlhf_lightning.records.trajectory import Trajectory, collate
 from rlhf_lightning.rollout import async_producer
 from rlhf_lightning.rollout.async_plan import AsyncSettings, batch_seed
 from rlhf_lightning.rollout.async_producer import (
@@ -33,9 +36,7 @@ from rlhf_lightning.rollout.async_producer import (
     planned,
 )
 from rlhf_lightning.rollout.async_rollout import AsyncRollouts
-from rlhf_lightning.rollout.engine import Completion, EngineBase, SamplingParams
-from rlhf_lightning.rollout.harness import RolloutResult
-from rlhf_lightning.rollout.trajectory import Trajectory, collate
+from rlhf_lightning.rollout.engine import EngineBase
 from rlhf_lightning.runtime import rng
 from rlhf_lightning.runtime.channel import Reader, Writer
 

@@ -14,9 +14,9 @@ from torch.utils.data import DataLoader
 
 from rlhf_lightning.algorithms.evaluation import RolloutEvaluation, add_total, global_means
 from rlhf_lightning.data.prompts import PAD_ROW, PromptDataModule, RowDataset, rank_eval_rows
-from rlhf_lightning.rollout.engine import SamplingParams
-from rlhf_lightning.rollout.harness import RolloutResult
-from rlhf_lightning.rollout.trajectory import Trajectory
+from rlhf_lightning.records.result import RolloutResult
+from rlhf_lightning.records.sampling import SamplingParams
+from rlhf_lightning.records.trajectory import Trajectory
 from tests.conftest import FAST
 from tests.torchrun_jobs import launch
 

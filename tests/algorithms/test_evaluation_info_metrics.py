@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from rlhf_lightning.algorithms.evaluation import RolloutEvaluation, global_means
-from rlhf_lightning.rollout.engine import SamplingParams
-from rlhf_lightning.rollout.harness import RolloutResult
-from rlhf_lightning.rollout.trajectory import Trajectory
+from rlhf_lightning.records.result import RolloutResult
+from rlhf_lightning.records.sampling import SamplingParams
+from rlhf_lightning.records.trajectory import Trajectory
 
 
 class _Evaluation(RolloutEvaluation):

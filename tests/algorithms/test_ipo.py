@@ -8,7 +8,7 @@ import torch
 
 from rlhf_lightning.algorithms.dpo import DPOModule
 from rlhf_lightning.config import DPOConfig
-from rlhf_lightning.rollout.trajectory import Trajectory, collate
+from rlhf_lightning.records.trajectory import Trajectory, collate
 
 # token log-probs of the 4 rows (chosen 0, chosen 1, rejected 0, rejected 1) at positions 1..3
 POLICY = torch.tensor([[0, -1.0, -2.0, -3.0], [0, -0.5, 0, 0], [0, -4.0, -4.0, 0], [0, -1.0, -1.0, -1.0]])

@@ -10,7 +10,7 @@ from rlhf_lightning.learner.liger_path import LigerObjective, liger_unsupported
 from rlhf_lightning.learner.objective import KLTerm, MicroBatch, PolicyObjective, PolicyTerm
 from rlhf_lightning.models.build import build_policy
 from rlhf_lightning.ops.liger import liger_available
-from rlhf_lightning.rollout.trajectory import Trajectory, collate
+from rlhf_lightning.records.trajectory import Trajectory, collate
 from tests.ops.test_liger import CASES
 
 pytestmark = pytest.mark.skipif(not liger_available(), reason="liger-kernel is not installed")

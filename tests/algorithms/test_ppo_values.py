@@ -12,8 +12,8 @@ from rlhf_lightning.algorithms.ppo import PPOModule
 from rlhf_lightning.config import PPOConfig
 from rlhf_lightning.learner.critic import reduce_to_steps, step_index
 from rlhf_lightning.losses.advantages import gae_advantages
-from rlhf_lightning.rollout.engine import SamplingParams
-from rlhf_lightning.rollout.trajectory import Trajectory, collate
+from rlhf_lightning.records.sampling import SamplingParams
+from rlhf_lightning.records.trajectory import Trajectory, collate
 
 
 class StubCritic(torch.nn.Module):
@@ -110,7 +110,7 @@ def test_a_cut_reply_the_env_scored_is_terminal(tiny_tokenizer, reward):
     """A reply cut at max_new_tokens that the env still scored and ended (terminated=True): its
     reward is the outcome, so the target is r, not r + V(s_T) (a cut reply scored 1 would get a
     target above the maximum return; a cut chain of thought scored 0 would lose its penalty)."""
-    from rlhf_lightning.rollout.engine import Completion
+    from rlhf_lightning.records.sampling import Completion
     from rlhf_lightning.rollout.harness import ChatFormatter, RolloutHarness
 
     class OneReply:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from rlhf_lightning.envs.arithmetic import ArithmeticEnv
-from rlhf_lightning.rollout.engine import Completion, SamplingParams
+from rlhf_lightning.records.sampling import Completion, SamplingParams
 from rlhf_lightning.rollout.harness import ChatFormatter, RolloutHarness
 
 

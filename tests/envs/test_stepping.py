@@ -7,8 +7,8 @@ import time
 
 import pytest
 
+from rlhf_lightning.records.sampling import SamplingParams
 from rlhf_lightning.rollout.chat import ChatFormatter
-from rlhf_lightning.rollout.engine import SamplingParams
 from rlhf_lightning.rollout.harness import RolloutHarness
 from rlhf_lightning.rollout.stepping import EnvStepper
 from tests.envs.slow_things import Boom, Dies, Hangs, SlowGuess

@@ -11,7 +11,8 @@ from transformers.utils import get_json_schema
 
 from rlhf_lightning.envs.tool_calc import ToolCalcEnv
 from rlhf_lightning.envs.tool_tasks import CalculatorToolEnv, calculator
-from rlhf_lightning.rollout.engine import Completion, EngineBase
+from rlhf_lightning.records.sampling import Completion
+from rlhf_lightning.rollout.engine import EngineBase
 from tests.envs.tool_helpers import TEMPLATE, call
 
 # -- the calculator task ------------------------------------------------------------------------

@@ -12,9 +12,9 @@ from rlhf_lightning.envs.arithmetic import ArithmeticEnv
 from rlhf_lightning.envs.guess_number import GuessNumberEnv
 from rlhf_lightning.learner.family import Family
 from rlhf_lightning.losses.corrections import overlong_penalty
-from rlhf_lightning.rollout.engine import SamplingParams
+from rlhf_lightning.records.sampling import SamplingParams
+from rlhf_lightning.records.trajectory import Trajectory, collate
 from rlhf_lightning.rollout.harness import ChatFormatter, RolloutHarness
-from rlhf_lightning.rollout.trajectory import Trajectory, collate
 from tests.envs.test_harness import ScriptedEngine
 
 

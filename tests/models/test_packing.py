@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from rlhf_lightning.models.packing import common_prefix, sequence_layout, unpacked_action_rows
-from rlhf_lightning.rollout.trajectory import segment_positions
+from rlhf_lightning.records.trajectory import segment_positions
 
 
 def test_the_layout_puts_each_token_at_its_sequence_and_position():

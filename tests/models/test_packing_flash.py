@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from rlhf_lightning.models.build import build_policy, load_model
-from rlhf_lightning.rollout.trajectory import segment_positions
+from rlhf_lightning.records.trajectory import segment_positions
 from tests.models.flash_emulation import emulated_flash
 
 SEGMENTS = [[7, 5, 9], [11], [4, 8]]  # three rows: 3, 1 and 2 packed sequences (e.g. turns)

@@ -35,8 +35,8 @@ class Scripted:
 def main(spec_path: str, rank: int) -> None:
     import torch.distributed as dist
 
+    from rlhf_lightning.records.trajectory import Trajectory
     from rlhf_lightning.rewards import CombinedReward
-    from rlhf_lightning.rollout.trajectory import Trajectory
     from rlhf_lightning.runtime.distributed import all_sum
 
     spec = json.loads(Path(spec_path).read_text())

@@ -14,8 +14,8 @@ import torch
 
 from rlhf_lightning.config.errors import ConfigError
 from rlhf_lightning.envs.dataset import DatasetEnv
+from rlhf_lightning.records.trajectory import Trajectory
 from rlhf_lightning.rewards import SIGNATURE, CombinedReward, Episode, FunctionReward, checked_scores
-from rlhf_lightning.rollout.trajectory import Trajectory
 
 FUNCTIONS = """
 import numpy as np

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from rlhf_lightning.records.trajectory import Trajectory
 from rlhf_lightning.rewards import STD_EPS, CombinedReward
-from rlhf_lightning.rollout.trajectory import Trajectory
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "rewards" / "normalize_worker.py"

@@ -13,9 +13,9 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import GPT2Config, GPT2ForSequenceClassification, PreTrainedTokenizerFast
 
 from rlhf_lightning.config.errors import ConfigError
+from rlhf_lightning.records.trajectory import Trajectory
 from rlhf_lightning.rewards import CombinedReward, Episode, FunctionReward, build_reward
 from rlhf_lightning.rewards.model import ModelReward
-from rlhf_lightning.rollout.trajectory import Trajectory
 from rlhf_lightning.run import run
 from tests.conftest import FAST, compose_config
 

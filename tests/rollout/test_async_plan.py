@@ -8,11 +8,11 @@ import itertools
 
 import pytest
 
+from rlhf_lightning.records.result import RolloutResult
+from rlhf_lightning.records.trajectory import Trajectory, collate
 from rlhf_lightning.rollout.async_plan import batch_seed, is_stale, placement, turn_versions
 from rlhf_lightning.rollout.async_producer import Placement, Produced
 from rlhf_lightning.rollout.async_rollout import AsyncRollouts
-from rlhf_lightning.rollout.harness import RolloutResult
-from rlhf_lightning.rollout.trajectory import Trajectory, collate
 from tests.algorithms.test_async_units import trajectory
 
 

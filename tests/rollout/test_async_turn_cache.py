@@ -14,9 +14,9 @@ import torch
 from rlhf_lightning.envs.guess_number import GuessNumberEnv
 from rlhf_lightning.models.build import load_model, load_tokenizer
 from rlhf_lightning.models.tiny import ASSETS
+from rlhf_lightning.records.sampling import SamplingParams
 from rlhf_lightning.rollout.async_producer import VersionedSampler, planned
 from rlhf_lightning.rollout.chat import ChatFormatter
-from rlhf_lightning.rollout.engine import SamplingParams
 from rlhf_lightning.rollout.harness import RolloutHarness
 from rlhf_lightning.rollout.hf import HFEngine
 from rlhf_lightning.rollout.kv_reuse import TurnCache

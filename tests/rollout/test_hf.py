@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from rlhf_lightning.models.build import build_policy
-from rlhf_lightning.rollout.engine import SamplingParams
+from rlhf_lightning.records.sampling import SamplingParams
+from rlhf_lightning.records.trajectory import Trajectory, collate
 from rlhf_lightning.rollout.hf import HFEngine
-from rlhf_lightning.rollout.trajectory import Trajectory, collate
 
 
 def prompts(tokenizer, n=3):

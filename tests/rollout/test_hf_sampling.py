@@ -8,7 +8,7 @@ import torch
 from transformers import GenerationConfig
 
 from rlhf_lightning.models.build import build_policy, load_model
-from rlhf_lightning.rollout.engine import SamplingParams
+from rlhf_lightning.records.sampling import SamplingParams
 from rlhf_lightning.rollout.hf import HFEngine
 from tests.rollout.test_hf import prompts
 

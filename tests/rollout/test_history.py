@@ -14,8 +14,8 @@ from rlhf_lightning.envs.guess_number import GuessNumberEnv
 from rlhf_lightning.envs.sudoku import SudokuEnv
 from rlhf_lightning.envs.tool_calc import ToolCalcEnv
 from rlhf_lightning.models.build import build_policy
+from rlhf_lightning.records.sampling import Completion, SamplingParams
 from rlhf_lightning.rollout.chat import ChatFormatter, check_template, latest_view
-from rlhf_lightning.rollout.engine import Completion, SamplingParams
 from rlhf_lightning.rollout.harness import RolloutHarness
 from tests.envs.test_multiturn import RandomEngine
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlhf_lightning.rollout.engine import SamplingParams
+from rlhf_lightning.records.sampling import SamplingParams
 from rlhf_lightning.rollout.harness import ChatFormatter, RolloutHarness
 from tests.envs.test_harness import ScriptedEngine
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from rlhf_lightning.rollout.engine import SamplingParams
+from rlhf_lightning.records.sampling import SamplingParams
 from rlhf_lightning.rollout.server_answers import answer_limit
 from rlhf_lightning.rollout.server_client import BadAnswer, RequestPolicy, ServerError
 from rlhf_lightning.rollout.vllm_server import ServerSettings, VLLMServerEngine

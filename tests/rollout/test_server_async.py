@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
+from rlhf_lightning.records.sampling import Completion, SamplingParams
 from rlhf_lightning.rollout.async_plan import AsyncSettings, BatchSource, batch_seed
 from rlhf_lightning.rollout.async_producer import call_seed
-from rlhf_lightning.rollout.engine import Completion, SamplingParams
 from rlhf_lightning.rollout.server_async import ServerRollouts, ServerRolloutsFailed
 from rlhf_lightning.rollout.server_client import ServerError
 from tests.algorithms.test_async_units import FakeHarness

