@@ -72,6 +72,41 @@ def check_sections(cfg: DictConfig) -> None:
         check_chat_template(str(cfg.model.chat_template))
     check_model_fit(cfg)
     check_monitor(cfg)
+    check_openenv(cfg.env)
+
+
+OPENENV_TARGET = "rlhf_lightning.envs.openenv.OpenEnvEnv"
+
+
+def check_openenv(e: DictConfig) -> None:
+    """``env=openenv``: exactly one of ``env.kwargs.url`` and ``env.kwargs.app``, and steps on
+    threads (a live WebSocket session cannot travel to a step worker process; the adapter bounds
+    every call itself with ``env.kwargs.timeout_s``). The rest is checked when the env is built,
+    before the model loads (``envs/openenv``)."""
+    if e.get("_target_") != OPENENV_TARGET:
+        return
+    kwargs = e.get("kwargs") or {}
+    url, app = kwargs.get("url"), kwargs.get("app")
+    check(
+        (url is None) != (app is None),
+        "env.kwargs.url",
+        url,
+        "exactly one of env.kwargs.url (a server someone started) and env.kwargs.app (module:app, a "
+        f"server the run starts); {'both are' if url is not None else 'neither is'} set",
+    )
+    check(
+        e.step_timeout_s is None,
+        "env.step_timeout_s",
+        e.step_timeout_s,
+        "null with env=openenv: its sessions cannot be stepped in worker processes; set "
+        "env.kwargs.timeout_s instead (every call's own deadline)",
+    )
+    check(
+        e.step_workers == "thread" or e.concurrency == 1,
+        "env.step_workers",
+        e.step_workers,
+        "thread with env=openenv and env.concurrency > 1 (its sessions cannot be pickled into worker processes)",
+    )
 
 
 def validate_guard(g: DictConfig) -> None:

@@ -53,7 +53,10 @@ def env_factory(target: str, kwargs: dict[str, Any]) -> Callable[[], TextEnv]:
         ) from None
     except ValueError:  # no signature to check (e.g. a class implemented in C)
         pass
-    factory = functools.partial(cls, **kwargs)
+    # A class may share what every episode's env needs (a server it starts: env=openenv) through
+    # a ``shared_factory(**kwargs)`` classmethod returning the zero-argument callable.
+    shared = getattr(cls, "shared_factory", None)
+    factory = shared(**kwargs) if callable(shared) else functools.partial(cls, **kwargs)
     factory()  # fail now, not at the first rollout, when the env cannot be built
     return factory
 
