@@ -15,31 +15,22 @@ full fine-tuning reloads the weights and resets the prefix cache.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import socket
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlhf_lightning.config.server_args import PROCESSED_LOGPROBS, logprobs_modes
-from rlhf_lightning.runtime.children import kill_and_reap
-from rlhf_lightning.runtime.group_guard import describe, kill_group, popen_guarded
+from rlhf_lightning.runtime import local_server
+from rlhf_lightning.runtime.local_server import HOST, LocalServer, ServerStartError, free_port
 
-HOST = "127.0.0.1"
+__all__ = ["HOST", "LaunchSpec", "ServerProcess", "ServerStartError", "free_port", "launch", "wait_ready"]
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM sizes its LoRA slots for
 # vLLM's CPU build (0.32) ends its engine with "CPU Generator does not use offset" when a seeded
 # request's prefill is split over two steps (chunked prefill rewinds the request's generator; a
 # CPU generator cannot). Every request here is seeded, so a CPU server prefills whole prompts.
 CPU_SEEDED_REQUESTS = ("--no-enable-chunked-prefill", "--max-num-batched-tokens")
-
-
-class ServerStartError(RuntimeError):
-    """A server did not come up (it exited, or did not answer within the start timeout)."""
 
 
 @dataclass(frozen=True)
@@ -74,13 +65,6 @@ class LaunchSpec:
     extra_args: tuple[str, ...] = field(default_factory=tuple)
     seed: int = 0
     start_timeout_s: float = 600.0
-
-
-def free_port(host: str = HOST) -> int:
-    """A TCP port nothing listens on now (the server binds it a moment later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def lora_slot_rank(rank: int) -> int:
@@ -147,66 +131,21 @@ def server_env(devices: str | None) -> dict[str, str]:
     return env
 
 
-class ServerProcess:
-    """One server the run started: its URL, its guard process and its log."""
+class ServerProcess(LocalServer):
+    """One server the run started: its URL, its guard process and its log
+    (:class:`~rlhf_lightning.runtime.local_server.LocalServer`: ``death``, ``where``,
+    ``log_tail``, ``healthy``, ``stop``), ``<log_dir>/server-<index>.log``."""
 
     def __init__(self, spec: LaunchSpec, index: int, log_dir: Path, devices: str | None = None) -> None:
         self.spec, self.index, self.devices = spec, index, devices
-        self.log_path = Path(log_dir) / f"server-{index}.log"
-        self.port = free_port()
-        self.url = f"http://{HOST}:{self.port}"
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("ab") as log:
-            log.write(f"$ {' '.join(server_command(spec, self.port, devices))}\n".encode())
-            log.flush()
-            self.guard = popen_guarded(
-                server_command(spec, self.port, devices),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-                env=server_env(devices),
-            )
-
-    @property
-    def pid(self) -> int:
-        """The guard's pid, also the process group of the server and its engine."""
-        return int(self.guard.pid)
-
-    def death(self) -> str | None:
-        """How the server ended (``was killed by SIGKILL``), or None while it runs."""
-        code = self.guard.poll()
-        if code is None:
-            return None
-        if code > 128:  # the guard reports a command killed by signal N as 128 + N
-            return describe(128 - code)
-        return describe(code) if code >= 0 else f"{describe(code)} (its guard process, which ends it)"
-
-    def where(self) -> str:
-        """Where to look: the log (its last lines are in the error messages too)."""
-        return f"its log: {self.log_path}"
-
-    def log_tail(self, lines: int = 15) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return "\n".join(f"    {line}" for line in text[-lines:])
-
-    def healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=2.0) as r:
-                return bool(r.status == 200)
-        except (urllib.error.URLError, OSError):
-            return False
-
-    def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM (the guard stops the server cleanly), then SIGKILL to the whole group."""
-        if self.guard.poll() is None:
-            self.guard.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.guard.wait(grace_s)  # then the group is killed below
-        kill_group(self.pid)
-        kill_and_reap(self.guard, timeout_s=5.0)
+        port = free_port()
+        super().__init__(
+            f"the vLLM server http://{HOST}:{port}",
+            server_command(spec, port, devices),
+            port,
+            Path(log_dir) / f"server-{index}.log",
+            env=server_env(devices),
+        )
 
 
 def launch(spec: LaunchSpec, log_dir: Path) -> list[ServerProcess]:
@@ -226,15 +165,9 @@ def launch(spec: LaunchSpec, log_dir: Path) -> list[ServerProcess]:
 
 def wait_ready(server: ServerProcess, deadline: float) -> None:
     """Wait until ``server`` answers ``/health``; raise if it exits or ``deadline`` passes."""
-    while not server.healthy():
-        gone = server.death()
-        if gone is not None:
-            raise ServerStartError(
-                f"the vLLM server {server.url} {gone} while starting; {server.where()}:\n{server.log_tail()}"
-            )
-        if time.monotonic() > deadline:
-            raise ServerStartError(
-                f"the vLLM server {server.url} did not answer /health within {server.spec.start_timeout_s:.0f} s "
-                f"(rollout.server_start_timeout_s); {server.where()}:\n{server.log_tail()}"
-            )
-        time.sleep(0.5)
+    local_server.wait_ready(
+        server,
+        deadline,
+        f"the vLLM server {server.url}",
+        f"/health within {server.spec.start_timeout_s:.0f} s (rollout.server_start_timeout_s)",
+    )

@@ -25,6 +25,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Protocol
 
 from rlhf_lightning.runtime.children import kill_and_reap
 from rlhf_lightning.runtime.group_guard import describe, kill_group, popen_guarded
@@ -72,6 +73,31 @@ def resume_hint(checkpoint_dir: str | Path | None) -> str:
         "The run has no checkpoint to resume from yet (checkpoint.every_n_steps sets how often one "
         "is written): run it again"
     )
+
+
+class Starting(Protocol):
+    """What :func:`wait_ready` asks of a starting server."""
+
+    def healthy(self) -> bool: ...
+
+    def death(self) -> str | None: ...
+
+    def where(self) -> str: ...
+
+    def log_tail(self) -> str: ...
+
+
+def wait_ready(server: Starting, deadline: float, name: str, late: str) -> None:
+    """Wait until ``server`` answers its health endpoint; raise :class:`ServerStartError` naming
+    it (``name``), how it ended or what it did not answer in time (``late``), where its log is and
+    the log's last lines, if it exits first or ``deadline`` (``time.monotonic()``) passes."""
+    while not server.healthy():
+        gone = server.death()
+        if gone is not None:
+            raise ServerStartError(f"{name} {gone} while starting; {server.where()}:\n{server.log_tail()}")
+        if time.monotonic() > deadline:
+            raise ServerStartError(f"{name} did not answer {late}; {server.where()}:\n{server.log_tail()}")
+        time.sleep(POLL_S)
 
 
 class LocalServer:
@@ -146,21 +172,10 @@ class LocalServer:
             return False
 
     def wait_ready(self, deadline: float, timeout_field: str) -> None:
-        """Wait until the server answers its health endpoint; raise :class:`ServerStartError`
-        (naming it, ``timeout_field`` for a timeout, and its log's tail) if it exits first or
-        ``deadline`` (``time.monotonic()``) passes."""
-        while not self.healthy():
-            gone = self.death()
-            if gone is not None:
-                raise ServerStartError(
-                    f"{self.name} ({self.url}) {gone} while starting; {self.where()}:\n{self.log_tail()}"
-                )
-            if time.monotonic() > deadline:
-                raise ServerStartError(
-                    f"{self.name} ({self.url}) did not answer {self.health_path} in time ({timeout_field}); "
-                    f"{self.where()}:\n{self.log_tail()}"
-                )
-            time.sleep(POLL_S)
+        """:func:`wait_ready` for this server (``timeout_field``: the setting that gives it its time)."""
+        wait_ready(
+            self, deadline, f"{self.name} ({self.url})", f"{self.health_path} in time ({timeout_field})"
+        )
 
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM (the guard stops the server cleanly), then SIGKILL to the whole group."""
