@@ -131,6 +131,18 @@ def test_three_steps_with_a_server_given_by_url(tmp_path):
         server.stop(grace_s=2)
 
 
+def test_async_rollouts_train_with_a_server_of_the_producers_own(tmp_path):
+    out = tmp_path / "run"
+    result, _ = train_three_steps(out, "rollout.mode=async", "trainer.max_steps=2")
+    try:
+        assert result.exit_code == 0
+        assert [r["step"] for r in train_rows(out)] == ["1", "2"]
+        logs = sorted(p.name for p in (out / "servers").iterdir())
+        assert logs == ["openenv-0.log", "openenv-1.log"]  # the trainer's and the producer's
+    finally:
+        stop_servers()
+
+
 def test_a_killed_env_server_ends_the_run_naming_it_and_the_checkpoint_resumes(tmp_path):
     """SIGKILL of the env server after the step-2 checkpoint: the trainer exits non-zero within
     seconds naming the server, how it ended and its log; resume=true starts a new server and
