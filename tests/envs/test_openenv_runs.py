@@ -143,6 +143,27 @@ def test_async_rollouts_train_with_a_server_of_the_producers_own(tmp_path):
         stop_servers()
 
 
+def test_a_run_with_an_mcp_envs_tools(tmp_path):
+    """env.kwargs.tools=true through the real config: the tools reach the template (checked at
+    start-up) and the run trains (the tiny model rarely calls them: its replies are answers)."""
+    out = tmp_path / "run"
+    tools = [
+        "env.kwargs.app=tests.envs.openenv_tools:app",
+        "env.kwargs.tools=true",
+        "model.chat_template=${asset:chat_templates/tools.jinja}",
+        "env.max_model_len=1024",
+        "trainer.max_steps=2",
+    ]
+    result, seen = train_three_steps(out, *tools)
+    try:
+        assert result.exit_code == 0 and len(seen) == 2
+        rows = train_rows(out)
+        assert all(r["env/answered"] != "" for r in rows)
+        assert all(t.infos[-1]["answered"] in (True, False) for r in seen for t in r.trajectories)
+    finally:
+        stop_servers()
+
+
 def test_a_killed_env_server_ends_the_run_naming_it_and_the_checkpoint_resumes(tmp_path):
     """SIGKILL of the env server after the step-2 checkpoint: the trainer exits non-zero within
     seconds naming the server, how it ended and its log; resume=true starts a new server and

@@ -42,14 +42,18 @@ its log and the checkpoint to resume from
 
 Seeds: train row ``i`` resets with seed ``seed + i`` (modulo ``train_size``), eval row ``j`` with
 ``eval_seeds[j]`` (default: the ``eval_size`` seeds after the training ones); eval seeds that are
-training seeds are refused. MCP tools (OpenEnv's ``CallToolAction``) are not supported: actions are
-text.
+training seeds are refused.
+
+MCP tools (``env.kwargs.tools=true``, an OpenEnv ``MCPEnvironment``): the env's tools reach the
+chat template, a reply's tool calls run in the episode's session and answer with tool messages,
+and a reply without calls is the env's text action (:mod:`~rlhf_lightning.envs.openenv.tools`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import weakref
 from typing import Any
 
@@ -62,6 +66,8 @@ from rlhf_lightning.envs.openenv.endpoint import (
     stop_servers,
 )
 from rlhf_lightning.envs.openenv.settings import Codec, Settings, check_settings, numbers, resolve_codec
+from rlhf_lightning.envs.openenv.tools import call_tool, list_tools, no_tools_error
+from rlhf_lightning.envs.tool_parsers import MalformedCall
 
 __all__ = ["EnvServerGone", "OpenEnvEnv", "OpenEnvFactory", "OpenEnvTimeout", "stop_servers"]
 
@@ -98,6 +104,15 @@ def _close_soon(client: Any) -> None:
     fire_and_forget(_close(client))
 
 
+async def _tool_schemas(codec: Codec, s: Settings, url: str) -> list[dict[str, Any]]:
+    """The env's MCP tools, listed in a session of their own (reset with the first training seed)."""
+    client, _ = await _open(codec, url, s.timeout_s, s.seed, s.reset_kwargs)
+    try:
+        return await list_tools(client)
+    finally:
+        await _close(client)
+
+
 class OpenEnvEnv:
     """One episode's OpenEnv session (see the module docstring).
 
@@ -116,6 +131,9 @@ class OpenEnvEnv:
         start_timeout_s: how long a server the run starts may take to answer ``/health``.
         run_dir: where ``servers/openenv-<i>.log`` goes (``${output_dir}``; null: Hydra's job
             directory, else a temporary one).
+        tools: offer the env's MCP tools through the chat template (an ``MCPEnvironment``).
+        parser: how tool calls are read from a reply (``envs.tool_parsers``: hermes, ...).
+        max_tool_calls: tool calls run per episode.
     """
 
     def __init__(
@@ -133,14 +151,30 @@ class OpenEnvEnv:
         timeout_s: float = 60.0,
         start_timeout_s: float = 120.0,
         run_dir: str | None = None,
+        tools: bool = False,
+        parser: str = "hermes",
+        max_tool_calls: int = 3,
     ) -> None:
         s = check_settings(
             client, url, app, action, observation, reset_kwargs, eval_seeds, seed, train_size, eval_size,
-            timeout_s, start_timeout_s, run_dir,
+            timeout_s, start_timeout_s, run_dir, tools, parser, max_tool_calls,
         )  # fmt: skip
         codec = resolve_codec(s)
-        self._attach(s, codec, Endpoint(s))
-        self._owner = weakref.finalize(self, self.endpoint.close)  # this env started the endpoint
+        endpoint = Endpoint(s)
+        self._owner = weakref.finalize(self, endpoint.close)  # this env started the endpoint
+        schemas = None
+        if s.tools:
+            try:
+                schemas = call(_tool_schemas(codec, s, endpoint.url), s.timeout_s, "MCP tools/list")
+            except Exception as err:
+                self._owner()
+                raise no_tools_error(
+                    s.client, f"answered tools/list with {type(err).__name__}: {err}"
+                ) from None
+            if not schemas:
+                self._owner()
+                raise no_tools_error(s.client, "lists no tools")
+        self._attach(s, codec, endpoint, schemas)
 
     @classmethod
     def shared_factory(cls, **kwargs: Any) -> OpenEnvFactory:
@@ -148,16 +182,23 @@ class OpenEnvEnv:
         and one check of the settings for every episode's env."""
         return OpenEnvFactory(**kwargs)
 
-    def _attach(self, s: Settings, codec: Codec, endpoint: Endpoint) -> None:
-        self.settings, self.codec, self.endpoint = s, codec, endpoint
+    def _attach(
+        self, s: Settings, codec: Codec, endpoint: Endpoint, schemas: list[dict[str, Any]] | None
+    ) -> None:
+        self.settings, self.codec, self.endpoint, self.schemas = s, codec, endpoint, schemas
         self.client: Any = None
         self._session: weakref.finalize | None = None
-        self._call = ""
+        self._turn = self._calls = 0
+        if schemas is not None:  # read by the chat formatter (rollout.chat.env_tools)
+            from rlhf_lightning.envs.tool_parsers import get_tool_parser
+
+            self.parse = get_tool_parser(s.parser)
+            self.tool_schemas = lambda: copy.deepcopy(schemas)
 
     def sibling(self) -> OpenEnvEnv:
         """A fresh env on the same server and settings (it does not own the server)."""
         env = OpenEnvEnv.__new__(OpenEnvEnv)
-        env._attach(self.settings, self.codec, self.endpoint)
+        env._attach(self.settings, self.codec, self.endpoint, self.schemas)
         return env
 
     def num_rows(self, evaluation: bool) -> int:
@@ -183,7 +224,7 @@ class OpenEnvEnv:
             raise self.endpoint.failure(what, err) from err
         self.client = client
         self._session = weakref.finalize(self, _close_soon, client)
-        self._turn = 0
+        self._turn = self._calls = 0
         return self._message(result.observation), {
             **numbers(result.observation),
             "openenv_seed": episode_seed,
@@ -194,6 +235,10 @@ class OpenEnvEnv:
             raise RuntimeError("OpenEnvEnv.step called before reset (or after its episode ended)")
         self._turn += 1
         what = f"OpenEnvEnv.step (turn {self._turn}) of {self.settings.client}"
+        if self.schemas is not None:
+            parsed = self.parse(action)
+            if parsed.has_calls:
+                return self._run_calls(parsed.items, what)
         act = self.codec.to_action(action)
         try:
             result = call(self.client.step(act), self.settings.timeout_s, what)
@@ -207,7 +252,44 @@ class OpenEnvEnv:
         if done:
             self.end_session()
         reward = 0.0 if result.reward is None else float(result.reward)
-        return self._message(result.observation), reward, done, False, numbers(result.observation)
+        info = numbers(result.observation)
+        if self.schemas is not None:
+            info = {"tool_calls": 0, "tool_errors": 0, "answered": True, **info}
+        return self._message(result.observation), reward, done, False, info
+
+    def _run_calls(self, items: list[Any], what: str) -> tuple[Any, float, bool, bool, dict[str, Any]]:
+        """A reply with tool calls: each runs in the session (tools/call) and answers with a tool
+        message; reward 0, the episode goes on (:mod:`~rlhf_lightning.envs.openenv.tools`)."""
+        limit = self.settings.max_tool_calls
+        if self._calls >= limit:  # told last turn that the next reply must answer
+            self.end_session()
+            return "", 0.0, True, False, {"tool_calls": 0, "tool_errors": 0, "answered": False}
+        messages: list[dict[str, str]] = []
+        ran = errors = 0
+        for item in items:
+            if isinstance(item, MalformedCall):
+                content, failed = f"error: malformed tool call ({item.error}): {item.text}", True
+            elif self._calls >= limit:
+                content = f"error: not run: the limit of {limit} tool calls per episode is reached; reply with your final answer"
+                failed = True
+            else:
+                self._calls += 1
+                ran += 1
+                try:
+                    content, failed = call(
+                        call_tool(self.client, item.name, item.arguments),
+                        self.settings.timeout_s,
+                        f"{what}: {item.name}",
+                    )
+                except OpenEnvTimeout:
+                    self.end_session()
+                    raise
+                except Exception as err:
+                    self.end_session()
+                    raise self.endpoint.failure(f"{what}: MCP tools/call {item.name}", err) from err
+            errors += failed
+            messages.append({"role": "tool", "name": item.name, "content": content})
+        return messages, 0.0, False, False, {"tool_calls": ran, "tool_errors": errors, "answered": False}
 
     def _message(self, obs: Any) -> str:
         text = self.codec.to_message(obs)

@@ -190,6 +190,9 @@ class Settings:
     timeout_s: float = 60.0
     start_timeout_s: float = 120.0
     run_dir: str | None = None
+    tools: bool = False
+    parser: str = "hermes"
+    max_tool_calls: int = 3
 
     @property
     def eval_size(self) -> int:
@@ -216,6 +219,9 @@ def check_settings(
     timeout_s: float,
     start_timeout_s: float,
     run_dir: str | None,
+    tools: bool = False,
+    parser: str = "hermes",
+    max_tool_calls: int = 3,
 ) -> Settings:
     """The cheap checks (no import of the client, no network): one of url and app, their forms,
     the seeds, the time limits."""
@@ -259,6 +265,17 @@ def check_settings(
             "no seed: each episode's seed comes from env.kwargs.seed / eval_seeds",
         )
     seeds = check_seeds(seed, train_size, eval_size, list(eval_seeds) if eval_seeds is not None else None)
+    if not isinstance(tools, bool):
+        raise ConfigError("env.kwargs.tools", tools, "true (offer the env's MCP tools) or false")
+    if tools:
+        from rlhf_lightning.envs.tool_parsers import TOOL_PARSERS
+
+        if parser not in TOOL_PARSERS:
+            raise ConfigError("env.kwargs.parser", parser, f"one of {', '.join(TOOL_PARSERS.names())}")
+        if isinstance(max_tool_calls, bool) or not isinstance(max_tool_calls, int) or max_tool_calls < 1:
+            raise ConfigError(
+                "env.kwargs.max_tool_calls", max_tool_calls, "a positive number of calls per episode"
+            )
     return Settings(
         client=client,
         url=url.rstrip("/") if url else None,
@@ -272,6 +289,9 @@ def check_settings(
         timeout_s=float(timeout_s),
         start_timeout_s=float(start_timeout_s),
         run_dir=run_dir,
+        tools=tools,
+        parser=parser,
+        max_tool_calls=max_tool_calls,
     )
 
 
