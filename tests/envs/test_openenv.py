@@ -191,6 +191,7 @@ def test_a_step_that_never_returns_is_stopped_at_the_deadline(tmp_path, tiny_tok
         assert result.metrics["env/reward_errors"] == 4.0
         assert [t.rewards for t in result.trajectories] == [[0.0]] * 4
     finally:
+        factory.endpoint.server.stop(grace_s=0.5)  # its hung step would hold a clean stop for 5 s
         factory.close()
 
 
