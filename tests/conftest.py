@@ -98,15 +98,15 @@ def fit_steps(cfg: DictConfig, tmp_path: Path, steps: int = 1, callbacks=(), mod
 
 
 def spy_collect(module, seen: list) -> None:
-    """Append every rollout result ``module.collect`` returns to ``seen``."""
-    original = module.collect
+    """Append every rollout result ``module.source.collect`` returns to ``seen``."""
+    original = module.source.collect
 
-    def spy(rows, member):
-        out = original(rows, member)
+    def spy(rows, sampling, group_size):
+        out = original(rows, sampling, group_size)
         seen.append(out[0])
         return out
 
-    module.collect = spy
+    module.source.collect = spy
 
 
 def trainable_snapshot(module) -> dict:
@@ -115,7 +115,7 @@ def trainable_snapshot(module) -> dict:
 
 
 def fit_recording(cfg: DictConfig, tmp_path: Path, steps: int):
-    """:func:`fit_steps`, keeping each step's rollout result (``module.collect``'s) and wall time.
+    """:func:`fit_steps`, keeping each step's rollout result (``module.source.collect``'s) and wall time.
 
     Returns (module, trainer, results, step seconds)."""
     import time

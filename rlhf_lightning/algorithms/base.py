@@ -40,11 +40,12 @@ from rlhf_lightning.models.policy import Policy
 from rlhf_lightning.models.sharding import gathered
 from rlhf_lightning.records.result import RolloutResult
 from rlhf_lightning.records.sampling import SamplingParams
-from rlhf_lightning.rollout.async_plan import BatchSource
-from rlhf_lightning.rollout.collector import AsyncBatches, Collector
+from rlhf_lightning.rollout.asynchronous.driver import AsyncDriver
+from rlhf_lightning.rollout.asynchronous.plan import BatchSource
 from rlhf_lightning.rollout.engine import RolloutEngine
 from rlhf_lightning.rollout.harness import RolloutHarness
 from rlhf_lightning.rollout.hooks import hook_callbacks
+from rlhf_lightning.rollout.source import Refill, RolloutSource
 
 
 def actor_source(policy: Any, rank: int, world_size: int = 1, device: str = "cpu") -> BatchSource:
@@ -88,10 +89,9 @@ class RolloutModule(RolloutEvaluation):
         num_samples_to_keep: int = 4,
         num_train_rows: int | None = None,
         eval_num_samples: int = 1,
-        async_rollouts: AsyncBatches | None = None,
+        driver: AsyncDriver | None = None,
     ) -> None:
         super().__init__(policy, hp)
-        self.collector = Collector(async_rollouts)  # the training rollouts: now, or from the producer
         self.harness = harness
         self.engine = engine
         self.sampling = sampling
@@ -106,6 +106,17 @@ class RolloutModule(RolloutEvaluation):
         self.last_eval_step = -1
         self._eval_outputs = {}
         self._warned_gap_at = -(10**9)
+        # The episodes: training rollouts now or from the async driver, evaluation's now.
+        self.source = RolloutSource(
+            harness,
+            engine,
+            policy,
+            version=lambda: int(self.global_step),
+            device=lambda: self.device,
+            progress=self.report_phase,
+            driver=driver,
+            refill=self.refill(),
+        )
         self.learner = Learner(
             policy, self.family(), self.stepper, self.report_phase, lambda: int(self.global_step)
         )
@@ -125,7 +136,7 @@ class RolloutModule(RolloutEvaluation):
         t_start = time.perf_counter()
         with gathered(self.policy):  # FSDP: full weights, so ranks generate independently
             # 1. Rollouts for the members that learn this step (one engine call side by side).
-            rollouts, metrics = self.schedule.rollouts(self, batch.tolist())
+            rollouts, metrics = self.schedule.rollouts(self.source, batch.tolist())
             self.rollouts_done()
         t_rollout = time.perf_counter() - t_start
         # 2. Each member learns from its own episodes: score, then update.
@@ -133,7 +144,7 @@ class RolloutModule(RolloutEvaluation):
             self.learn(k, member, result, len(rollouts)) for k, (member, result) in enumerate(rollouts)
         ]
         # The step is done: with rollout.mode=async the new weights go to the producer.
-        self.collector.step_done(self.producer_view)
+        self.source.step_done(self.producer_view)
         # 3. Log: one member's metrics, or each member's under member_k/ and their mean.
         step_s = time.perf_counter() - t_start
         each = [m for m, _ in learned]
@@ -163,24 +174,21 @@ class RolloutModule(RolloutEvaluation):
             with gathered(self.policy):
                 result = self.finalize_rewards(result)
                 traj = result.batch.to(self.device)
-                scored = self.learner.score(traj, member, self.collector.is_stale(result))
+                scored = self.learner.score(traj, member, self.source.is_stale(result))
             metrics = {**scored.metrics, **self.learner.update(traj, scored, member)}
         metrics.update(rollout_metrics(traj, result.metrics))
         return metrics, traj.action_mask.sum()
 
-    def collect(self, rows: list[int], member: Member) -> tuple[RolloutResult, Metrics]:
-        """``member``'s training rollouts for ``rows``: generated now with the current weights, or
-        with ``rollout.mode=async`` the producer's batch (generated ahead, with its versions).
-        GRPO's dynamic sampling adds refills."""
-        generate = lambda r: self.rollout(r, member.sampling, group_size=member.hp.group_size)  # noqa: E731
-        return self.collector.collect(rows, generate)
+    def refill(self) -> Refill | None:
+        """Dynamic sampling's refills of the training rollouts (GRPO's), or None."""
+        return None
 
     def on_train_start(self) -> None:
         """Asynchronous rollouts start here, after a checkpoint is restored and before the first
         step: they are handed the train loader's plan of rows, the sampling and group size of the
         member that learns (a population is refused with ``rollout.mode=async``)."""
         super().on_train_start()
-        if self.collector.async_rollouts is None:
+        if self.source.driver is None:
             return
         loader = self.trainer.train_dataloader
         if not isinstance(loader, ResumableLoader):
@@ -189,7 +197,7 @@ class RolloutModule(RolloutEvaluation):
                 f"loader is a {type(loader).__name__}: use the env's prompts data module, or rollout.mode=sync"
             )
         member = self.schedule.learning_now()[0]
-        self.collector.begin(loader.plan, member.sampling, member.hp.group_size, self.producer_view())
+        self.source.begin(loader.plan, member.sampling, member.hp.group_size, self.producer_view())
 
     def producer_view(self) -> BatchSource:
         """What the producer needs of this trainer (``rollout.mode=async``): :func:`actor_source`."""
@@ -223,20 +231,20 @@ class RolloutModule(RolloutEvaluation):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
-        checkpoint["collector"] = self.collector.state_dict()
+        checkpoint["collector"] = self.source.state_dict()
         checkpoint["member_states"] = [dict(m.state) for m in self.schedule.members]
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
         steps = checkpoint.get("global_step", 0) // max(self.steps_per_batch(), 1)
-        self.collector.load_state_dict(checkpoint.get("collector", {}), steps)
+        self.source.load_state_dict(checkpoint.get("collector", {}), steps)
         for m, state in zip(self.schedule.members, checkpoint.get("member_states", [])):
             m.state = dict(state)
 
     def close(self) -> None:
         """Stop the rollout producer (``rollout.mode=async``) and the env's workers; the run
         calls this at its end."""
-        self.collector.close()
+        self.source.close()
         super().close()
 
     def teardown(self, stage: str) -> None:

@@ -18,7 +18,6 @@ import torch
 from rlhf_lightning.algorithms.common import ModuleMixin
 from rlhf_lightning.config.sections import pass_ks
 from rlhf_lightning.data.prompts import PAD_ROW
-from rlhf_lightning.models.sharding import gathered
 from rlhf_lightning.records.result import RolloutResult
 from rlhf_lightning.records.sampling import SamplingParams
 from rlhf_lightning.rollout.harness import SUCCESS_KEYS, reward_value, success_flag
@@ -101,14 +100,14 @@ class RolloutEvaluation(ModuleMixin):
     with ``eval_num_samples`` n > 1 sampled completions per problem, ``eval/pass@k`` for k <= n.
 
     Expects ``self.sampling``, ``self.eval_greedy``, ``self.eval_sampled``,
-    ``self.eval_num_samples`` and ``self.rollout``. Batches are eval row indices; a batch of
+    ``self.eval_num_samples`` and ``self.source`` (a
+    :class:`~rlhf_lightning.rollout.source.RolloutSource`). Batches are eval row indices; a batch of
     ``PAD_ROW`` only (a rank with fewer rows, :func:`~rlhf_lightning.data.prompts.rank_eval_rows`)
     runs the same rollouts on a stand-in row and counts none of them.
     """
 
     sampling: SamplingParams
-    harness: Any
-    engine: Any
+    source: Any
     eval_greedy: bool
     eval_sampled: bool
     eval_num_samples: int = 1
@@ -119,37 +118,6 @@ class RolloutEvaluation(ModuleMixin):
     _rng_before_eval: dict[str, Any] | None = None
     _eval_info_keys: set[str]  # the info keys this rank's evaluation episodes returned
     _info_metrics_warned: set[str]  # eval.info_metrics keys already warned about (once each)
-
-    def rollout(
-        self,
-        rows: list[int],
-        params: SamplingParams,
-        *,
-        group_size: int,
-        evaluation: bool = False,
-        adapters: list[str] | None = None,
-        group_sizes: list[int] | None = None,
-    ) -> RolloutResult:
-        """Episodes for ``rows`` with the current policy: the engine is synced first (a no-op when
-        nothing changed), so no rollout ever samples stale weights. ``adapters`` and
-        ``group_sizes`` (one per row): a population's members sampled side by side
-        (:meth:`RolloutHarness.rollout <rlhf_lightning.rollout.harness.RolloutHarness.rollout>`)."""
-        if self.harness is None or self.engine is None:
-            raise RuntimeError("rollouts need a harness and an engine")
-        with gathered(self.policy):  # FSDP: ranks generate independently (free when nested)
-            self.engine.ensure_synced(self.policy, self.global_step)
-            progress = None if evaluation else getattr(self, "report_phase", None)
-            return self.harness.rollout(
-                self.engine,
-                rows,
-                params,
-                group_size=group_size,
-                evaluation=evaluation,
-                progress=progress,
-                device=self.device,
-                adapters=adapters,
-                group_sizes=group_sizes,
-            )
 
     def sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` summed over the ranks (one all-reduce; ``t`` itself with one process)."""
@@ -185,7 +153,7 @@ class RolloutEvaluation(ModuleMixin):
             modes.append(("sampled", self.sampling))
         for name, params in modes:
             n = self.eval_num_samples if name == "sampled" else 1
-            result = self.rollout(rows or [0], params, group_size=n, evaluation=True)
+            result = self.source.generate(rows or [0], params, group_size=n, evaluation=True)
             for key, values in episode_values(result, n).items():
                 metric = f"eval/{key}" if key.startswith("pass@") else f"eval/{key}_{name}"
                 add_total(self._eval_totals, metric, values, counted=not padding)

@@ -10,7 +10,6 @@ import torch
 
 from rlhf_lightning.algorithms.base import RolloutModule
 from rlhf_lightning.algorithms.checks import validate_grpo
-from rlhf_lightning.algorithms.common import Metrics
 from rlhf_lightning.algorithms.spec import AlgorithmSpec, register_algorithm
 from rlhf_lightning.config import GRPOConfig
 from rlhf_lightning.config.algo import RolloutAlgoConfig, node_params, registered_name
@@ -18,9 +17,9 @@ from rlhf_lightning.learner.family import Family, LearnerView
 from rlhf_lightning.learner.member import Member
 from rlhf_lightning.learner.objective import PolicyTerm
 from rlhf_lightning.losses import get_advantage_estimator
-from rlhf_lightning.losses.advantages import ADVANTAGE_ESTIMATORS, informative_groups, postprocess_advantages
-from rlhf_lightning.records.result import RolloutResult
-from rlhf_lightning.records.trajectory import Trajectory, TrajectoryBatch, collate
+from rlhf_lightning.losses.advantages import ADVANTAGE_ESTIMATORS, postprocess_advantages
+from rlhf_lightning.records.trajectory import TrajectoryBatch
+from rlhf_lightning.rollout.source import Refill
 from rlhf_lightning.runtime.distributed import gather_rows
 
 GROUP_ID_STRIDE = 1 << 20  # rank r's group ids are offset by r * stride when gathered
@@ -70,16 +69,6 @@ class GRPOFamily(Family):
         return cast(GRPOConfig, hp).skip_zero_advantage
 
 
-def informative(result: RolloutResult) -> list[list[Trajectory]]:
-    """The groups of ``result`` whose rewards are not all equal."""
-    keep = informative_groups(result.batch.returns, result.batch.group_ids).tolist()
-    groups: dict[int, list[Trajectory]] = {}
-    for t, k in zip(result.trajectories, keep):
-        if k:
-            groups.setdefault(t.group_id, []).append(t)
-    return list(groups.values())
-
-
 class GRPOModule(RolloutModule):
     """Group-relative advantages over ``group_size`` completions per prompt, any registered objective.
 
@@ -96,45 +85,21 @@ class GRPOModule(RolloutModule):
     def setup(self, stage: str) -> None:
         super().setup(stage)
         # Refill prompts differ per rank (each rank draws its own).
-        self.row_generator = torch.Generator().manual_seed(torch.initial_seed() % 2**31 + 7919 * self.rank)
+        self.row_generator.manual_seed(torch.initial_seed() % 2**31 + 7919 * self.rank)
 
     def rng_generators(self) -> dict[str, torch.Generator]:
         return {"refill_rows": self.row_generator}
 
     # ---------------------------------------------------------------- DAPO dynamic sampling
-    def collect(self, rows: list[int], member: Member) -> tuple[RolloutResult, Metrics]:
-        result, first = super().collect(rows, member)  # refills below: now, with the current weights
-        hp = cast(GRPOConfig, member.hp)
+    def refill(self) -> Refill | None:
+        """With ``dynamic_sampling``, groups whose rewards are all equal are replaced by groups of
+        rows drawn from the train split by this module's generator (checkpointed; seeded per rank
+        at setup)."""
+        self.row_generator = torch.Generator()
+        hp = cast(GRPOConfig, self.hp)
         if not hp.dynamic_sampling:
-            return result, first
-        target = len(rows)
-        kept = informative(result)
-        dropped = len(result.trajectories) // hp.group_size - len(kept)
-        rounds = 0
-        while len(kept) < target and rounds < hp.max_resample_rounds and self.num_train_rows:
-            extra = torch.randint(
-                self.num_train_rows, (target - len(kept),), generator=self.row_generator
-            ).tolist()
-            more = self.rollout(extra, member.sampling, group_size=hp.group_size)
-            new = informative(more)
-            dropped += len(extra) - len(new)
-            kept += new
-            rounds += 1
-        metrics = {
-            **first,
-            "rollout/dropped_groups": torch.tensor(float(dropped)),
-            "rollout/resample_rounds": torch.tensor(float(rounds)),
-            "rollout/informative_groups": torch.tensor(float(min(len(kept), target))),
-        }
-        if not kept:  # nothing to learn from: keep the batch (all advantages are 0)
-            return result, metrics
-        trajectories = []
-        for g, group in enumerate(kept[:target]):
-            for t in group:
-                t.group_id = g
-                trajectories.append(t)
-        batch = collate(trajectories, self.harness.tokenizer.pad_token_id)
-        return RolloutResult(batch, trajectories, result.metrics), metrics
+            return None
+        return Refill(hp.max_resample_rounds, self.num_train_rows or 0, self.row_generator)
 
 
 register_algorithm(

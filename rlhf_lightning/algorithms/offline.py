@@ -19,6 +19,7 @@ from rlhf_lightning.records.sampling import SamplingParams
 from rlhf_lightning.records.trajectory import TrajectoryBatch
 from rlhf_lightning.rollout.engine import RolloutEngine
 from rlhf_lightning.rollout.harness import RolloutHarness
+from rlhf_lightning.rollout.source import RolloutSource
 from rlhf_lightning.runtime.strategies import split_global
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,10 @@ class OfflineModule(RolloutEvaluation):
     ) -> None:
         super().__init__(policy, hp)
         self.harness, self.engine = harness, engine
+        # Held-out episodes (with an env to evaluate on), generated now with the current weights.
+        self.source = RolloutSource(
+            harness, engine, policy, version=lambda: int(self.global_step), device=lambda: self.device
+        )
         self.sampling = sampling or SamplingParams()
         self.eval_greedy, self.eval_sampled, self.eval_num_samples = (
             eval_greedy,

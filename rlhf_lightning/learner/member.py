@@ -70,9 +70,10 @@ class MemberSchedule(Protocol):
         """A context: ``member``'s weights in the trainable slots (copied back after)."""
         ...
 
-    def rollouts(self, module: Any, rows: list[int]) -> tuple[list[tuple[Member, Any]], Metrics]:
-        """This step's training rollouts of ``rows`` for each member that learns now, and the
-        metrics of the rollout calls as a whole (``async/*``, refills, whole-call counts)."""
+    def rollouts(self, source: Any, rows: list[int]) -> tuple[list[tuple[Member, Any]], Metrics]:
+        """This step's training rollouts of ``rows`` from ``source`` (the module's
+        :class:`~rlhf_lightning.rollout.source.RolloutSource`) for each member that learns now,
+        and the metrics of the rollout calls as a whole (``async/*``, refills, whole-call counts)."""
         ...
 
 
@@ -91,10 +92,10 @@ class OneMember:
     def in_slots(self, member: Member) -> Iterator[None]:
         yield
 
-    def rollouts(self, module: Any, rows: list[int]) -> tuple[list[tuple[Member, Any]], Metrics]:
-        """The module's own collection (now, or from the async producer; GRPO's refills)."""
+    def rollouts(self, source: Any, rows: list[int]) -> tuple[list[tuple[Member, Any]], Metrics]:
+        """The source's training rollouts (now, or from the async driver; GRPO's refills)."""
         member = self.learning_now()[0]
-        result, metrics = module.collect(rows, member)
+        result, metrics = source.collect(rows, member.sampling, member.hp.group_size)
         return [(member, result)], metrics
 
 

@@ -30,6 +30,7 @@ from rlhf_lightning.models.adapters import copy_adapter
 from rlhf_lightning.records.result import RolloutResult
 from rlhf_lightning.records.trajectory import Trajectory, collate
 from rlhf_lightning.rollout.harness import RolloutHarness
+from rlhf_lightning.rollout.source import RolloutSource
 
 # (hyper-parameters, the algorithm's config values, world size, member id) -> raises if invalid
 MemberCheck = Callable[[dict[str, float], dict[str, Any], int, int], None]
@@ -195,33 +196,40 @@ class SideBySide:
         return self.module.stepper.scheduler(k)
 
     # ---------------------------------------------------------------- rollouts
-    def rollouts(self, module: Any, rows: list[int]) -> tuple[list[tuple[Member, RolloutResult]], dict]:
-        results, whole = self.member_rollouts(rows)
+    def rollouts(
+        self, source: RolloutSource, rows: list[int]
+    ) -> tuple[list[tuple[Member, RolloutResult]], dict]:
+        results, whole = self.member_rollouts(rows, source=source)
         return [(m, results[cast(str, m.adapter)]) for m in self.members], {
             k: torch.tensor(v) for k, v in whole.items()
         }
 
     def member_rollouts(
-        self, rows: list[int], evaluation: bool = False, temperature: float | None = None
+        self,
+        rows: list[int],
+        evaluation: bool = False,
+        temperature: float | None = None,
+        source: RolloutSource | None = None,
     ) -> tuple[dict[str, RolloutResult], dict[str, float]]:
         """Every member's episodes for ``rows``, sampled side by side: one engine call per distinct
         temperature (``temperature``: one for all, e.g. fitness); evaluation: one episode per row.
-        Also the metrics the calls report for all their episodes at once (:func:`call_metrics`)."""
-        module = self.module
-        if hasattr(module.engine, "sync_adapters"):  # vLLM: one LoRA slot per member, loaded in place
-            module.engine.sync_adapters(self.policy, self.adapters)
+        Also the metrics the calls report for all their episodes at once (:func:`call_metrics`).
+        ``source``: the module's (:class:`~rlhf_lightning.rollout.source.RolloutSource`)."""
+        source = source if source is not None else self.module.source
+        if hasattr(source.engine, "sync_adapters"):  # vLLM: one LoRA slot per member, loaded in place
+            source.engine.sync_adapters(self.policy, self.adapters)
         calls: dict[float, list[int]] = {}
         for k in range(self.size):
             t = temperature if temperature is not None else self.members[k].sampling.temperature
             calls.setdefault(float(t), []).append(k)
         out: dict[str, RolloutResult] = {}
         whole: list[dict[str, float]] = []
-        pad = int(module.harness.tokenizer.pad_token_id)
+        pad = source.pad_token_id
         for t, ks in calls.items():
             params = dataclasses.replace(self.members[ks[0]].sampling, temperature=t)
             sizes = [1 if evaluation else int(self.members[k].hp.group_size) for k in ks for _ in rows]
             names = [self.adapters[k] for k in ks for _ in rows]
-            result = module.rollout(
+            result = source.generate(
                 rows * len(ks), params, group_size=1, evaluation=evaluation, adapters=names, group_sizes=sizes
             )
             split = split_by_adapter(result.trajectories, [self.adapters[k] for k in ks], pad)

@@ -271,7 +271,7 @@ class Generations:
         for slot in range(self.size):
             self.load(slot)
             params = dataclasses.replace(module.sampling, temperature=temperature)
-            out.append(module.rollout(rows, params, group_size=1, evaluation=True))
+            out.append(module.source.generate(rows, params, group_size=1, evaluation=True))
         return out
 
     def assign_fitness(self, fitness: list[float]) -> None:

@@ -36,11 +36,11 @@ from rlhf_lightning.population.callback import Population
 from rlhf_lightning.population.checks import default_evolve_every, side_by_side
 from rlhf_lightning.population.evolution import DEFAULT_SPACE, MutationRange, flat_space
 from rlhf_lightning.population.side_by_side import SideBySidePopulation
-from rlhf_lightning.rollout.async_plan import AsyncSettings
-from rlhf_lightning.rollout.async_rollout import AsyncRollouts
+from rlhf_lightning.rollout.asynchronous.driver import AsyncDriver
+from rlhf_lightning.rollout.asynchronous.plan import AsyncSettings
+from rlhf_lightning.rollout.asynchronous.process import ProcessTransport
 from rlhf_lightning.rollout.callback import RolloutEngineCallback
 from rlhf_lightning.rollout.harness import RolloutHarness
-from rlhf_lightning.rollout.server_async import ServerRollouts
 from rlhf_lightning.run.parts import (  # noqa: F401  (re-exported: the factories' old place)
     ProducerBuild,
     build_engine,
@@ -81,9 +81,9 @@ def population_callback(cfg: DictConfig, output_dir: Path) -> Population | SideB
 
 
 # ---------------------------------------------------------------- asynchronous rollouts
-def async_rollouts_from(
+def async_driver_from(
     cfg: DictConfig, output_dir: Path | None = None, policy: Any = None, tokenizer: Any = None
-) -> AsyncRollouts | ServerRollouts | None:
+) -> AsyncDriver | None:
     """The ``rollout`` node's producer (``mode=async``; its spool in ``output_dir``), the servers'
     (``rollout=vllm_server``: publishing ``policy``, on a harness of their own), or None (``sync``)."""
     r = cfg.rollout
@@ -102,7 +102,8 @@ def async_rollouts_from(
     if r.engine == "vllm_server":
         harness, _, _ = harness_from(cfg, tokenizer, online=True)
         return server_rollouts(cfg, output_dir, settings, harness, policy)
-    return AsyncRollouts(ProducerBuild(OmegaConf.to_yaml(cfg, resolve=True)), settings, cfg.env.max_turns)
+    transport = ProcessTransport(ProducerBuild(OmegaConf.to_yaml(cfg, resolve=True)), settings)
+    return AsyncDriver(transport, settings, cfg.env.max_turns)
 
 
 # ---------------------------------------------------------------- module and data
@@ -136,7 +137,7 @@ def build(cfg: DictConfig, output_dir: Path) -> tuple[L.LightningModule, L.Light
             **evals,
             num_samples_to_keep=cfg.samples.num,
             num_train_rows=train_rows,
-            async_rollouts=async_rollouts_from(cfg, output_dir, policy, tokenizer),
+            driver=async_driver_from(cfg, output_dir, policy, tokenizer),
         )
         dm: L.LightningDataModule = PromptDataModule(
             train_rows, eval_rows, a.prompts_per_step, cfg.eval.batch_size, seed=cfg.seed

@@ -19,7 +19,7 @@ from rlhf_lightning.models.build import build_policy, load_model, load_tokenizer
 from rlhf_lightning.models.policy import Policy
 from rlhf_lightning.records.sampling import SamplingParams
 from rlhf_lightning.rewards import CombinedReward, build_reward
-from rlhf_lightning.rollout.async_producer import Placement
+from rlhf_lightning.rollout.asynchronous.plan import Placement
 from rlhf_lightning.rollout.chat import ChatFormatter, check_template, env_tools
 from rlhf_lightning.rollout.harness import RolloutHarness
 from rlhf_lightning.rollout.hf import HFEngine

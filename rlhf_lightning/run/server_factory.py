@@ -8,9 +8,10 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from rlhf_lightning.rollout.async_plan import AsyncSettings
+from rlhf_lightning.rollout.asynchronous.driver import AsyncDriver
+from rlhf_lightning.rollout.asynchronous.plan import AsyncSettings
+from rlhf_lightning.rollout.asynchronous.servers import ServerTransport
 from rlhf_lightning.rollout.harness import RolloutHarness
-from rlhf_lightning.rollout.server_async import ServerRollouts
 from rlhf_lightning.rollout.server_client import RequestPolicy
 from rlhf_lightning.rollout.server_process import LaunchSpec
 from rlhf_lightning.rollout.vllm_server import ServerSettings, VLLMServerEngine
@@ -63,7 +64,9 @@ def server_engine(cfg: DictConfig, output_dir: Path | None) -> VLLMServerEngine:
 
 def server_rollouts(
     cfg: DictConfig, output_dir: Path | None, settings: AsyncSettings, harness: RolloutHarness, policy: Any
-) -> ServerRollouts:
+) -> AsyncDriver:
     """``rollout.mode=async`` on the servers: ``harness`` (one of its own) runs the episodes on a
     thread of the trainer, ``policy`` is published after every update."""
-    return ServerRollouts(server_engine(cfg, output_dir), harness, policy, settings, cfg.env.max_turns)
+    lockstep = settings.max_staleness == 0
+    transport = ServerTransport(server_engine(cfg, output_dir), harness, policy, lockstep)
+    return AsyncDriver(transport, settings, cfg.env.max_turns)

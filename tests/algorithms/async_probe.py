@@ -14,7 +14,7 @@ import lightning as L
 import torch
 from safetensors.torch import load_file
 
-from rlhf_lightning.rollout.async_producer import dump
+from rlhf_lightning.rollout.asynchronous.producer import dump
 
 
 def digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -29,11 +29,12 @@ class Probe(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: Any, stage: str) -> None:
         if stage != "fit":  # the evaluation before training sets up too
             return
-        ar = pl_module.collector.async_rollouts
+        ar = pl_module.source.driver
+        transport = ar.transport
         self.batches: list[dict[str, Any]] = []
         self.versions: dict[int, str] = {}
         self.path = Path(trainer.default_root_dir) / f"probe-rank{trainer.global_rank}.json"
-        take, publish = ar.take, ar.publish
+        take, publish = ar.take, transport.publish_weights
 
         def recorded_take(step, rows):
             produced = take(step, rows)
@@ -51,9 +52,9 @@ class Probe(L.Callback):
 
         def recorded_publish(version, weights):
             publish(version, weights)
-            self.versions[version] = digest(load_file(ar.store[version]))
+            self.versions[version] = digest(load_file(transport.store[version]))
 
-        ar.take, ar.publish = recorded_take, recorded_publish
+        ar.take, transport.publish_weights = recorded_take, recorded_publish
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         self.path.write_text(json.dumps({"batches": self.batches, "versions": self.versions}))

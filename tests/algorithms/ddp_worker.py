@@ -41,7 +41,9 @@ def run_spec(spec: dict) -> None:
         paths = spec["trajectories"] if isinstance(spec["trajectories"], list) else [spec["trajectories"]]
         per_step = [torch.load(p, weights_only=False) for p in paths]
 
-        def collect(rows, member):  # this rank's contiguous share of the groups of this step's batch
+        def collect(
+            rows, sampling, group_size
+        ):  # this rank's contiguous share of the groups of this step's batch
             trajectories = per_step[module.trainer.global_step % len(per_step)]
             groups = sorted({t.group_id for t in trajectories})
             r = module.trainer.global_rank
@@ -49,17 +51,17 @@ def run_spec(spec: dict) -> None:
             mine = [t for t in trajectories if t.group_id in groups[r * share : (r + 1) * share]]
             return RolloutResult(collate(mine, module.harness.tokenizer.pad_token_id), mine, {}), {}
 
-        module.collect = collect
+        module.source.collect = collect
     elif spec.get("record_rows"):  # which prompt rows each rank trains on (the data module's own split)
-        original_collect = module.collect
+        original_collect = module.source.collect
 
-        def recording(rows, member):
+        def recording(rows, sampling, group_size):
             path = Path(f"{spec['record_rows']}.rank{module.trainer.global_rank}.json")
             seen = json.loads(path.read_text()) if path.exists() else []
             path.write_text(json.dumps([*seen, rows]))
-            return original_collect(rows, member)
+            return original_collect(rows, sampling, group_size)
 
-        module.collect = recording
+        module.source.collect = recording
     else:
         dm.setup("fit")
         b = cfg.algo.batch_size

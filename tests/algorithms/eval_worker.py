@@ -37,7 +37,7 @@ def run_spec(spec: dict) -> None:
             if getattr(pl_module, "_recording", False):
                 return
             pl_module._recording = True
-            original = pl_module.rollout
+            original = pl_module.source.generate
 
             def recording(rows, params, *, group_size, evaluation=False):
                 result = original(rows, params, group_size=group_size, evaluation=evaluation)
@@ -47,7 +47,7 @@ def run_spec(spec: dict) -> None:
                     validations[-1]["batches"][-1]["calls"].append(call)
                 return result
 
-            pl_module.rollout = recording
+            pl_module.source.generate = recording
 
         def on_validation_start(self, trainer, pl_module):
             validations.append({"metrics": {}, "batches": []})

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from rlhf_lightning.rollout.async_plan import batch_seed
+from rlhf_lightning.rollout.asynchronous.plan import batch_seed
 from rlhf_lightning.run import checkpoint_step
 from tests.conftest import FAST, compose_config, fit_steps
 from tests.runtime.test_workers import children_of, cmdline
@@ -40,26 +40,26 @@ BIG = [*ASYNC, "rollout.max_staleness=1", "algo.prompts_per_step=8", "algo.group
 
 def record_rollouts(module, seen: list) -> None:
     """Append (step, rollout result) for every training rollout to ``seen``."""
-    original = module.collect
+    original = module.source.collect
 
-    def spy(rows_, member):
-        out = original(rows_, member)
-        seen.append((module.collector.batches_done, out[0]))
+    def spy(rows_, sampling, group_size):
+        out = original(rows_, sampling, group_size)
+        seen.append((module.source.batches_done, out[0]))
         return out
 
-    module.collect = spy
+    module.source.collect = spy
 
 
 def record_versions(module, versions: dict) -> None:
     """Keep a copy of every published version's weights in ``versions``."""
-    producer = module.collector.async_rollouts
-    original = producer.publish
+    producer = module.source.driver.transport
+    original = producer.publish_weights
 
     def spy(version, weights):
         versions[version] = {k: v.clone() for k, v in weights.items()}
         original(version, weights)
 
-    producer.publish = spy
+    producer.publish_weights = spy
 
 
 def record_updates(module, updates: list) -> None:
@@ -67,7 +67,7 @@ def record_updates(module, updates: list) -> None:
     original = module.learner.update
 
     def spy(traj, scored, member):
-        updates.append((module.collector.batches_done, traj, scored.old_logp.detach().clone()))
+        updates.append((module.source.batches_done, traj, scored.old_logp.detach().clone()))
         return original(traj, scored, member)
 
     module.learner.update = spy

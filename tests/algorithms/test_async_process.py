@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from rlhf_lightning.records.sampling import SamplingParams
-from rlhf_lightning.rollout.async_plan import AsyncSettings, BatchSource, batch_seed
-from rlhf_lightning.rollout.async_producer import Produced
-from rlhf_lightning.rollout.async_rollout import AsyncRollouts
+from rlhf_lightning.rollout.asynchronous.driver import AsyncDriver
+from rlhf_lightning.rollout.asynchronous.plan import AsyncSettings, BatchSource, Produced, batch_seed
+from rlhf_lightning.rollout.asynchronous.process import ProcessTransport
 from tests.algorithms.test_async_units import (
     build_exiting,
     build_failing,
@@ -31,25 +31,44 @@ from tests.algorithms.test_async_units import (
 # ---------------------------------------------------------------- a real producer process
 @pytest.fixture
 def producers():
-    """AsyncRollouts under test; any producer still alive afterwards is terminated."""
-    made: list[AsyncRollouts] = []
+    """Drivers over the process transport under test; any producer still alive afterwards is
+    terminated."""
+    made: list[AsyncDriver] = []
     yield made
-    for proc in [ar.proc for ar in made if ar.proc is not None and ar.proc.is_alive()]:
+    procs = [ar.transport.proc for ar in made]
+    for proc in [p for p in procs if p is not None and p.is_alive()]:
         proc.terminate()
         proc.join(timeout=5)
 
 
-def rollouts(producers: list[AsyncRollouts], build: Any, **settings: Any) -> AsyncRollouts:
-    ar = AsyncRollouts(build, AsyncSettings(**{"max_staleness": 1, "timeout_s": 120.0, **settings}), 2)
+def rollouts(producers: list[AsyncDriver], build: Any, **settings: Any) -> AsyncDriver:
+    s = AsyncSettings(**{"max_staleness": 1, "timeout_s": 120.0, **settings})
+    ar = AsyncDriver(ProcessTransport(build, s), s, 2)
     producers.append(ar)
     return ar
+
+
+def source_at(version: int) -> BatchSource:
+    """The trainer's view at ``version``: its weights."""
+    return BatchSource(0, lambda: weights_of(version))
+
+
+def start(ar: AsyncDriver) -> None:
+    """Start the producer process alone (no versions, no requests)."""
+    ar.transport.start(BatchSource(0, dict), ar.calls)
+    ar.started = True
+
+
+def ask(ar: AsyncDriver, step: int, rows: list[int], sampling: SamplingParams, group_size: int) -> None:
+    ar.sampling, ar.group_size = sampling, group_size
+    ar.request(step, rows)
 
 
 @pytest.mark.slow
 def test_a_build_error_comes_back_with_its_traceback(producers):
     ar = rollouts(producers, build_failing)
     with pytest.raises(RuntimeError, match="the rollout producer failed") as err:
-        ar.start()
+        start(ar)
     assert "Traceback" in str(err.value) and "ValueError: boom" in str(err.value)
     assert "build_failing" in str(err.value)  # where it failed
 
@@ -58,16 +77,16 @@ def test_a_silent_producer_times_out_naming_the_setting(producers):
     ar = rollouts(producers, build_sleeping, timeout_s=2.0)
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match=r"rollout\.async_timeout_s") as err:
-        ar.start()
+        start(ar)
     assert time.monotonic() - t0 < 30
-    assert f"pid {ar.proc.pid}" in str(err.value) and "is alive" in str(err.value)
+    assert f"pid {ar.transport.proc.pid}" in str(err.value) and "is alive" in str(err.value)
 
 
 @pytest.mark.slow
 def test_a_producer_that_exits_is_named_with_its_exit_code(producers):
     ar = rollouts(producers, build_exiting)
     with pytest.raises(RuntimeError, match="exited with code 3"):
-        ar.start()
+        start(ar)
 
 
 def rows_and_weights(produced: Produced) -> tuple[list[int], list[float]]:
@@ -81,12 +100,12 @@ def rows_and_weights(produced: Produced) -> tuple[list[int], list[float]]:
 def test_round_trip_through_the_producer_process(producers):
     ar = rollouts(producers, build_parts)  # K = 1, two turns
     sampling = SamplingParams(max_new_tokens=4)
-    ar.publish(0, weights_of(0))
-    ar.start()
-    ar.request(0, [3, 0], sampling, group_size=2)  # version 0
-    ar.request(1, [1, 2], sampling, group_size=2)  # version 0: the producer works ahead
-    ar.publish(1, weights_of(1))  # sent at once: the producer is running
-    ar.request(2, [4, 5], sampling, group_size=2)  # version 1
+    ar.publish(0, source_at(0))
+    start(ar)
+    ask(ar, 0, [3, 0], sampling, 2)  # version 0
+    ask(ar, 1, [1, 2], sampling, 2)  # version 0: the producer works ahead
+    ar.publish(1, source_at(1))  # sent at once: the producer is running
+    ask(ar, 2, [4, 5], sampling, 2)  # version 1
     p0 = ar.take(0, [3, 0])
     assert p0.step == 0 and p0.call_versions == [0, 0]
     assert [t.turn_versions for t in p0.result.trajectories] == [[0, 0], [0, 0], [0], [0]]
@@ -99,9 +118,9 @@ def test_round_trip_through_the_producer_process(producers):
     assert rows_and_weights(p1) == ([1, 1, 2, 2], [1.0])
     with pytest.raises(RuntimeError, match=r"step 2 with rows \[4, 5\].*step 2 with rows \[5, 4\]"):
         ar.take(2, [5, 4])  # batch 2 was made for other rows
-    proc, pid = ar.proc, ar.proc.pid
+    proc, pid = ar.transport.proc, ar.transport.proc.pid
     ar.close()
-    assert ar.proc is None and not proc.is_alive() and proc.exitcode == 0
+    assert ar.transport.proc is None and not proc.is_alive() and proc.exitcode == 0
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # joined: the OS process is gone
 
@@ -110,28 +129,23 @@ def test_round_trip_through_the_producer_process(producers):
 def test_lockstep_hands_the_trainers_random_state_over_and_back(producers):
     ar = rollouts(producers, build_parts, max_staleness=0)
     sampling = SamplingParams(max_new_tokens=4)
-    ar.publish(0, weights_of(0))
-    ar.start()
+    ar.publish(0, source_at(0))
+    start(ar)
     with pytest.raises(RuntimeError, match="was not requested"):
         ar.take(0, [1])
     torch.manual_seed(11)
     state = torch.get_rng_state()
-    ar.request(0, [1], sampling, group_size=1)  # two turns: two draws, as in a synchronous rollout
+    ask(ar, 0, [1], sampling, 1)  # two turns: two draws, as in a synchronous rollout
     produced = ar.take(0, [1])
     after = float(torch.rand(()))
     torch.set_rng_state(state)
     expected = [float(torch.rand(())) for _ in range(2)]
     assert [info["torch"] for info in produced.result.trajectories[0].infos] == expected
     assert after == float(torch.rand(()))  # the trainer continues after the producer's draws
-    ar.publish(1, weights_of(1))
-    ar.request(1, [0], sampling, group_size=1)
+    ar.publish(1, source_at(1))
+    ask(ar, 1, [0], sampling, 1)
     assert rows_and_weights(ar.take(1, [0])) == ([0], [11.0])  # K = 0: the current weights
     ar.close()
-
-
-def source_at(version: int) -> BatchSource:
-    """The trainer's view at ``version``: its weights."""
-    return BatchSource(0, lambda: weights_of(version))
 
 
 class OneRowEach:

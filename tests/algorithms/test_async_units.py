@@ -24,18 +24,21 @@ from safetensors.torch import load_file
 from rlhf_lightning.records.result import RolloutResult
 from rlhf_lightning.records.sampling import Completion, SamplingParams
 from rlhf_lightning.records.trajectory import Trajectory, collate
-from rlhf_lightning.rollout import async_producer
-from rlhf_lightning.rollout.async_plan import AsyncSettings, batch_seed
-from rlhf_lightning.rollout.async_producer import (
+from rlhf_lightning.rollout.asynchronous import producer as async_producer
+from rlhf_lightning.rollout.asynchronous.driver import AsyncDriver
+from rlhf_lightning.rollout.asynchronous.plan import (
+    AsyncSettings,
+    BatchSource,
     Placement,
-    Producer,
     Request,
     Stop,
     VersionedSampler,
+    batch_seed,
     call_seed,
     planned,
 )
-from rlhf_lightning.rollout.async_rollout import AsyncRollouts
+from rlhf_lightning.rollout.asynchronous.process import ProcessTransport
+from rlhf_lightning.rollout.asynchronous.producer import Producer
 from rlhf_lightning.rollout.engine import EngineBase
 from rlhf_lightning.runtime import rng
 from rlhf_lightning.runtime.channel import Reader, Writer
@@ -195,18 +198,23 @@ def pipe() -> tuple[Reader, Writer]:
     return Reader(r), Writer(w)
 
 
-def trainer_side(versions: list[int], **settings: Any) -> tuple[AsyncRollouts, Reader]:
-    """The trainer's side with ``versions`` published and sent into a pipe (its own messages, as
-    it writes them for the process), no process started; and the pipe's read end."""
-    trainer = AsyncRollouts(build_parts, AsyncSettings(**{"max_staleness": 100, **settings}), max_turns=3)
+def driver_of(transport: ProcessTransport, max_turns: int = 3) -> AsyncDriver:
+    return AsyncDriver(transport, transport.s, max_turns=max_turns)
+
+
+def trainer_side(versions: list[int], **settings: Any) -> tuple[ProcessTransport, Reader]:
+    """The trainer's side (the process transport) with ``versions`` published and sent into a
+    pipe (its own messages, as it writes them for the process), no process started; and the
+    pipe's read end."""
+    trainer = ProcessTransport(build_parts, AsyncSettings(**{"max_staleness": 100, **settings}))
     commands, trainer.commands = pipe()
     for v in versions:
-        trainer.publish(v, weights_of(v))
+        trainer.publish_weights(v, weights_of(v))
         trainer.send_weights(v)
     return trainer, commands
 
 
-def producer_with(versions: list[int], **settings: Any) -> tuple[Producer, AsyncRollouts, FakeEngine]:
+def producer_with(versions: list[int], **settings: Any) -> tuple[Producer, ProcessTransport, FakeEngine]:
     """A producer in this process (three turns) reading what :func:`trainer_side` sent."""
     trainer, commands = trainer_side(versions, **settings)
     producer = Producer(functools.partial(build_parts, max_turns=3), commands, os.getppid())
@@ -248,7 +256,7 @@ def test_produce_drops_only_versions_older_than_the_requests_first():
 
 def test_produce_waits_for_a_version_not_yet_published_and_counts_the_wait():
     producer, trainer, engine = producer_with([0])
-    trainer.publish(1, weights_of(1))  # sent 0.3 s later
+    trainer.publish_weights(1, weights_of(1))  # sent 0.3 s later
     timer = threading.Timer(0.3, trainer.send_weights, args=(1,))
     timer.start()
     try:
@@ -301,7 +309,9 @@ def test_produce_with_an_rng_state_continues_from_it_and_hands_it_back():
 
 def test_receive_queues_requests_and_stops_on_stop():
     producer, trainer, _ = producer_with([0])
-    trainer.request(2, [5, 4], SamplingParams(max_new_tokens=3), group_size=2)
+    driver = driver_of(trainer)
+    driver.sampling, driver.group_size = SamplingParams(max_new_tokens=3), 2
+    driver.request(2, [5, 4])
     trainer.send(("stop",))
     assert producer.receive() and producer.store.keys() == {0}
     assert torch.equal(load_file(producer.store[0])["weight"], weights_of(0)["weight"])  # a file
@@ -331,7 +341,7 @@ def test_receive_stops_when_the_trainer_is_gone(monkeypatch):
     with pytest.raises(Stop):
         Producer(build_parts, closed, os.getppid()).receive()
     trainer, commands = trainer_side([])
-    trainer.publish(2, weights_of(2))
+    trainer.publish_weights(2, weights_of(2))
     producer = Producer(build_parts, commands, os.getppid())
     timer = threading.Timer(0.2, trainer.send_weights, args=(2,))
     timer.start()
@@ -345,7 +355,7 @@ def test_receive_stops_when_the_trainer_is_gone(monkeypatch):
 def test_newest_takes_the_newest_published_version_and_never_waits():
     producer, trainer, engine = producer_with([0, 1], max_staleness=2, partial=True)
     assert trainer.s.newest
-    trainer.publish(3, weights_of(3))  # published but the producer has not read it yet
+    trainer.publish_weights(3, weights_of(3))  # published but the producer has not read it yet
     trainer.send_weights(3)
     req = Request(3, [2], [1], 1, SamplingParams(max_new_tokens=4), newest=True)
     produced = producer.produce(req)  # three turns
@@ -359,7 +369,7 @@ def test_newest_takes_the_newest_published_version_and_never_waits():
         Request(3, [2], [1], 1, SamplingParams(max_new_tokens=4), newest=True, replay=[1, 1])
     )
     assert again.call_versions == [1, 1, 1]
-    trainer2.publish(2, weights_of(2))
+    trainer2.publish_weights(2, weights_of(2))
     trainer2.send_weights(2)
     replayed = producer2.produce(
         Request(3, [2], [1], 1, SamplingParams(max_new_tokens=4), newest=True, replay=[1])
@@ -392,19 +402,20 @@ def test_serve_builds_on_its_place_and_shuts_the_engine_down_at_the_end(tmp_path
 
 # ---------------------------------------------------------------- checkpoint state
 def test_state_dict_keeps_the_k_versions_before_the_step_and_load_puts_them_back():
-    ar = AsyncRollouts(build_parts, AsyncSettings(max_staleness=2), max_turns=2)
+    ar = driver_of(ProcessTransport(build_parts, AsyncSettings(max_staleness=2)), max_turns=2)
     for v in range(6):
-        ar.publish(v, weights_of(v))
-    assert sorted(ar.store) == [3, 4, 5]  # older than 5 - K: no request or checkpoint needs them
-    assert sorted(p.name for p in ar.spool.glob("weights-*")) == [
+        ar.publish(v, BatchSource(0, functools.partial(weights_of, v)))
+    assert sorted(ar.transport.store) == [3, 4, 5]  # older than 5 - K: no request or checkpoint needs them
+    assert sorted(p.name for p in ar.transport.spool.glob("weights-*")) == [
         f"weights-{v}.safetensors" for v in (3, 4, 5)
     ]
     ar.requested = {5: [0], 6: [1]}
-    ar.turns = {5: [3, 4], 7: [9]}  # batch 5 is in flight with two calls started; 7 was taken
+    for step, call, version in ((5, 0, 3), (5, 1, 4), (7, 0, 9)):  # batch 5 is in flight with two
+        ar.calls.started(step, call, version)  # calls started; 7 was taken
     state = ar.state_dict(5)
     assert sorted(state["versions"]) == [3, 4]  # version 5 is the checkpoint's own weights
     assert state["turns"] == {5: [3, 4]}
-    fresh = AsyncRollouts(build_parts, AsyncSettings(max_staleness=2), max_turns=2)
+    fresh = driver_of(ProcessTransport(build_parts, AsyncSettings(max_staleness=2)), max_turns=2)
     fresh.load_state_dict(state)
     assert {v: float(w["weight"]) for v, w in fresh.restored.items()} == {3: 31.0, 4: 41.0}
     assert fresh.replay == {5: [3, 4]}
@@ -412,14 +423,14 @@ def test_state_dict_keeps_the_k_versions_before_the_step_and_load_puts_them_back
     fresh.load_state_dict({})  # a checkpoint of a synchronous run
     assert sorted(fresh.restored) == [2, 3, 4]
     ar.close()
-    assert not ar.spool.exists() or not any(ar.spool.iterdir())
+    assert not ar.transport.spool.exists() or not any(ar.transport.spool.iterdir())
 
 
 def test_a_spool_left_by_a_killed_run_is_emptied_before_use(tmp_path):
     old = tmp_path / ".async" / "rank0"
     old.mkdir(parents=True)
     (old / "batch-3.pkl").write_bytes(b"not ours")
-    ar = AsyncRollouts(build_parts, AsyncSettings(max_staleness=1, spool_dir=str(tmp_path)), max_turns=2)
-    ar.publish(0, weights_of(0))
+    ar = ProcessTransport(build_parts, AsyncSettings(max_staleness=1, spool_dir=str(tmp_path)))
+    ar.publish_weights(0, weights_of(0))
     assert sorted(p.name for p in ar.spool.iterdir()) == ["weights-0.safetensors"]
     assert (ar.spool.stat().st_mode & 0o777) == 0o700  # private to the run's user

@@ -125,12 +125,13 @@ class _Evaluation(RolloutEvaluation):
 
     def __init__(self) -> None:
         super().__init__(policy=None, hp=None)
+        self.source = self  # its own fake rollout source (generate below)
         self.sampling = SamplingParams(4, temperature=1.0)
         self.eval_greedy = self.eval_sampled = True
         self.eval_num_samples = 2
         self.calls: list[tuple[list[int], float]] = []
 
-    def rollout(self, rows, params, *, group_size, evaluation=False):
+    def generate(self, rows, params, *, group_size, evaluation=False):
         self.calls.append((list(rows), params.temperature))
         trajs = [
             Trajectory(
@@ -280,8 +281,8 @@ def test_info_metrics_are_per_turn_means_of_the_eval_episodes():
     eval metrics (non-numbers left out), under the same padding rule."""
 
     class WithMoves(_Evaluation):
-        def rollout(self, rows, params, *, group_size, evaluation=False):
-            result = super().rollout(rows, params, group_size=group_size, evaluation=evaluation)
+        def generate(self, rows, params, *, group_size, evaluation=False):
+            result = super().generate(rows, params, group_size=group_size, evaluation=evaluation)
             for t in result.trajectories:  # two turns: one valid move, then a valid one when correct
                 t.infos = [{"valid_move": True}, {"valid_move": t.infos[0]["correct"], "note": "x"}]
             return result

@@ -23,12 +23,13 @@ class _Evaluation(RolloutEvaluation):
 
     def __init__(self, info_metrics: tuple[str, ...]) -> None:
         super().__init__(policy=None, hp=None)
+        self.source = self  # its own fake rollout source (generate below)
         self.sampling = SamplingParams(4, temperature=1.0)
         self.eval_greedy = self.eval_sampled = True
         self.eval_info_metrics = info_metrics
         self.extra_info: dict[str, object] = {}  # keys the episodes return from now on
 
-    def rollout(self, rows, params, *, group_size, evaluation=False):
+    def generate(self, rows, params, *, group_size, evaluation=False):
         info = {"correct": True, "valid_move": 1.0, "note": "ok", **self.extra_info}
         trajs = [
             Trajectory([1], [-1], [0.0], [1.0], 0, 1, infos=[info]) for _ in rows for _ in range(group_size)

@@ -109,7 +109,7 @@ def test_greedy_evaluation_keeps_the_stop_and_penalty_settings(fast_cfg, tmp_pat
     cfg = fast_cfg("rollout.stop=[xyz]", "rollout.repetition_penalty=1.2", "rollout.min_p=0.05")
     module, _ = build(cfg, tmp_path)
     seen = []
-    module.rollout = lambda rows, params, **kw: (
+    module.source.generate = lambda rows, params, **kw: (
         seen.append(params) or module.harness.rollout(module.engine, rows, params, **kw)
     )
     module.validation_step(torch.arange(2), 0)

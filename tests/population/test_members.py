@@ -77,7 +77,7 @@ def test_every_member_is_scored_at_the_same_temperature(tmp_path, fitness, expec
 
     class Watch(L.Callback):
         def on_fit_start(self, trainer, pl_module):
-            rollout = pl_module.rollout
+            rollout = pl_module.source.generate
 
             def spy(rows, params, *, group_size, evaluation=False):
                 if evaluation:
@@ -85,7 +85,7 @@ def test_every_member_is_scored_at_the_same_temperature(tmp_path, fitness, expec
                     scored.append((pop.members[slot].hparams["temperature"], params.temperature))
                 return rollout(rows, params, group_size=group_size, evaluation=evaluation)
 
-            pl_module.rollout = spy
+            pl_module.source.generate = spy
 
     space = "population.mutate={temperature:{low:0.3,high:3.0,scale:2}}"
     cfg = compose_config(

@@ -11,10 +11,10 @@ import lightning as L
 import pytest
 import torch
 
-from rlhf_lightning.algorithms.base import RolloutModule
 from rlhf_lightning.config.errors import ConfigError
 from rlhf_lightning.population.bank import SideBySide
 from rlhf_lightning.population.side_by_side import SideBySidePopulation
+from rlhf_lightning.rollout.source import RolloutSource
 from rlhf_lightning.run import run
 from tests.conftest import FAST, compose_config
 
@@ -66,10 +66,10 @@ def seeded_rollout(module, rows, k_or_none):
     with torch.random.fork_rng():
         torch.manual_seed(1000 + step)
         if k_or_none is None:
-            return module.rollout(rows, module.sampling, group_size=module.hp.group_size)
+            return module.source.generate(rows, module.sampling, group_size=module.hp.group_size)
         module.schedule.show(k_or_none)
         member = module.schedule.members[k_or_none]
-        return module.rollout(rows, member.sampling, group_size=member.hp.group_size)
+        return module.source.generate(rows, member.sampling, group_size=member.hp.group_size)
 
 
 @pytest.mark.slow
@@ -79,14 +79,18 @@ def test_each_member_updates_exactly_as_a_single_run_with_its_hyper_parameters(t
     rate gets: every member's adapters (PPO: and value head) end bit for bit where that run's
     trainable slots end."""
 
-    def member_rollouts(self, rows, evaluation=False, temperature=None):
+    def member_rollouts(self, rows, evaluation=False, temperature=None, source=None):
         return {name: seeded_rollout(self.module, rows, k) for k, name in enumerate(self.adapters)}, {}
 
-    def collect(self, rows, member):
-        return seeded_rollout(self, rows, None), {}
+    def collect(
+        self, rows, sampling, group_size
+    ):  # a single run's source: seeded_rollout(module, rows, None)
+        with torch.random.fork_rng():
+            torch.manual_seed(1000 + self.batches_done)
+            return self.generate(rows, sampling, group_size=group_size), {}
 
     monkeypatch.setattr(SideBySide, "member_rollouts", member_rollouts)
-    monkeypatch.setattr(RolloutModule, "collect", collect)
+    monkeypatch.setattr(RolloutSource, "collect", collect)
     cfg = compose_config(
         [*POP, *algo, "population.evolve_every=0", "trainer.max_steps=4"], output_dir=tmp_path / "p"
     )
@@ -121,7 +125,7 @@ def test_one_mixed_rollout_gives_each_member_the_episodes_of_its_own_adapter(tmp
             for k, result in enumerate(mixed):
                 pl_module.schedule.show(k)
                 params = dataclasses.replace(pl_module.sampling, temperature=0.0)
-                alone = pl_module.rollout(rows, params, group_size=1, evaluation=True)
+                alone = pl_module.source.generate(rows, params, group_size=1, evaluation=True)
                 seen[k] = (
                     [t.token_ids for t in result.trajectories],
                     [t.token_ids for t in alone.trajectories],

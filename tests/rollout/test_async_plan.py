@@ -10,9 +10,15 @@ import pytest
 
 from rlhf_lightning.records.result import RolloutResult
 from rlhf_lightning.records.trajectory import Trajectory, collate
-from rlhf_lightning.rollout.async_plan import batch_seed, is_stale, placement, turn_versions
-from rlhf_lightning.rollout.async_producer import Placement, Produced
-from rlhf_lightning.rollout.async_rollout import AsyncRollouts
+from rlhf_lightning.rollout.asynchronous.driver import batch_metrics
+from rlhf_lightning.rollout.asynchronous.plan import (
+    Placement,
+    Produced,
+    batch_seed,
+    is_stale,
+    placement,
+    turn_versions,
+)
 from tests.algorithms.test_async_units import trajectory
 
 
@@ -66,7 +72,7 @@ def test_staleness_metrics_are_token_weighted_and_unversioned_is_current():
     two_turns = trajectory([1, 2], [[10, 11], [12, 13, 14]], versions=[3, 4])
     refill = trajectory([1], [[10, 11, 12, 13]])  # no versions: generated now (current)
     fresh = trajectory([3], [[10]], versions=[5])
-    metrics = AsyncRollouts.metrics(produced_of([two_turns, refill, fresh]), step=5, waited=0.25)
+    metrics = batch_metrics(produced_of([two_turns, refill, fresh]), step=5, waited=0.25)
     ages = [2, 2, 1, 1, 1] + [0] * 4 + [0]  # by hand, one per generated token
     assert metrics["async/staleness_mean"].item() == pytest.approx(sum(ages) / len(ages), abs=1e-7)
     assert metrics["async/staleness_max"].item() == 2.0
@@ -75,7 +81,7 @@ def test_staleness_metrics_are_token_weighted_and_unversioned_is_current():
     assert metrics["async/producer_work_s"].item() == pytest.approx(0.5)
     assert all(v.dim() == 0 and not v.requires_grad for v in metrics.values())
     empty = trajectory([1, 2], [[]], versions=[3])  # a turn that generated nothing: no age
-    nothing = AsyncRollouts.metrics(produced_of([empty]), step=5, waited=0.0)
+    nothing = batch_metrics(produced_of([empty]), step=5, waited=0.0)
     assert nothing["async/staleness_mean"].item() == nothing["async/staleness_max"].item() == 0.0
 
 

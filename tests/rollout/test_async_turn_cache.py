@@ -15,7 +15,7 @@ from rlhf_lightning.envs.guess_number import GuessNumberEnv
 from rlhf_lightning.models.build import load_model, load_tokenizer
 from rlhf_lightning.models.tiny import ASSETS
 from rlhf_lightning.records.sampling import SamplingParams
-from rlhf_lightning.rollout.async_producer import VersionedSampler, planned
+from rlhf_lightning.rollout.asynchronous.plan import VersionedSampler, planned
 from rlhf_lightning.rollout.chat import ChatFormatter
 from rlhf_lightning.rollout.harness import RolloutHarness
 from rlhf_lightning.rollout.hf import HFEngine
@@ -31,16 +31,16 @@ def fit_watched(overrides: list[str], tmp_path, steps: int) -> tuple:
     seen: list = []
 
     def hook(module):
-        original = module.collect
+        original = module.source.collect
 
-        def spy(rows_, member):
-            out = original(rows_, member)
+        def spy(rows_, sampling, group_size):
+            out = original(rows_, sampling, group_size)
             result = out[0]
             trajs = result.trajectories
             seen.append((result.batch.sampling_logps.clone(), [(t.token_ids, t.num_turns) for t in trajs]))
             return out
 
-        module.collect = spy
+        module.source.collect = spy
 
     cfg = compose_config(overrides, output_dir=tmp_path / "run")
     module, _ = fit_steps(cfg, tmp_path, steps=steps, module_hook=hook)

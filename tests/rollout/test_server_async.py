@@ -1,5 +1,5 @@
-"""``rollout.mode=async rollout=vllm_server`` without vLLM: the asynchronous rollouts' thread
-(``rollout/server_async.py``) against a fake engine: the version plan, the seeds, a server's
+"""``rollout.mode=async rollout=vllm_server`` without vLLM: the asynchronous driver over the server
+transport (``rollout/asynchronous/servers.py``: the episodes on a thread) against a fake engine: the version plan, the seeds, a server's
 error ending the wait at once, the time limit, checkpoints."""
 
 from __future__ import annotations
@@ -11,16 +11,16 @@ from typing import Any
 import pytest
 
 from rlhf_lightning.records.sampling import Completion, SamplingParams
-from rlhf_lightning.rollout.async_plan import AsyncSettings, BatchSource, batch_seed
-from rlhf_lightning.rollout.async_producer import call_seed
-from rlhf_lightning.rollout.server_async import ServerRollouts, ServerRolloutsFailed
+from rlhf_lightning.rollout.asynchronous.driver import AsyncDriver
+from rlhf_lightning.rollout.asynchronous.plan import AsyncSettings, BatchSource, batch_seed, call_seed
+from rlhf_lightning.rollout.asynchronous.servers import ServerRolloutsFailed, ServerTransport
 from rlhf_lightning.rollout.server_client import ServerError
 from tests.algorithms.test_async_units import FakeHarness
 
 
 # ---------------------------------------------------------------- the asynchronous rollouts' thread
 class FakeServers:
-    """The engine side of ``ServerRollouts``: versions as bytes, the version in use, each call's
+    """The engine side of ``ServerTransport``: versions as bytes, the version in use, each call's
     (version, seed); ``fail`` raised by the next generate, ``hang`` makes it wait until shutdown."""
 
     def __init__(self) -> None:
@@ -73,9 +73,10 @@ class Harness(FakeHarness):
         self.closed = True
 
 
-def rollouts(engine: FakeServers, k: int, timeout_s: float = 10.0, max_turns: int = 2) -> ServerRollouts:
+def rollouts(engine: FakeServers, k: int, timeout_s: float = 10.0, max_turns: int = 2) -> AsyncDriver:
     settings = AsyncSettings(max_staleness=k, timeout_s=timeout_s, seed=3)
-    return ServerRollouts(engine, Harness(max_turns), None, settings, max_turns)  # type: ignore[arg-type]
+    transport = ServerTransport(engine, Harness(max_turns), None, k == 0)  # type: ignore[arg-type]
+    return AsyncDriver(transport, settings, max_turns)
 
 
 SAMPLING = SamplingParams(4)
@@ -89,7 +90,7 @@ class Plan:
         return [batch % 3, 3 + batch % 3]
 
 
-def train(r: ServerRollouts, steps: range) -> list[Any]:
+def train(r: AsyncDriver, steps: range) -> list[Any]:
     """The trainer's loop: begin at the fit's first step, take batch s, then publish version s + 1."""
     out = []
     r.begin(steps.start, Plan(), SAMPLING, 2, SOURCE)
@@ -117,7 +118,7 @@ def test_k1_batch_s_is_generated_with_version_s_minus_1_and_each_call_its_seed()
     assert seeds[:2] == [call_seed(batch_seed(3, 0, 0), 0), call_seed(batch_seed(3, 0, 0), 1)]
     # versions no batch needs any more are dropped (the one the thread last used may stay)
     assert {3, 4} <= set(engine.published) <= {2, 3, 4}
-    assert engine.stopped.is_set() and r.harness.closed  # type: ignore[attr-defined]
+    assert engine.stopped.is_set() and r.transport.harness.closed  # type: ignore[attr-defined]
 
 
 def test_k0_runs_in_the_trainers_thread_with_the_trainers_generator():
@@ -125,7 +126,7 @@ def test_k0_runs_in_the_trainers_thread_with_the_trainers_generator():
     r = rollouts(engine, k=0)
     try:
         train(r, range(2))
-        assert r.thread is None and [v for v, _ in engine.calls] == [0, 0, 1, 1]
+        assert r.transport.thread is None and [v for v, _ in engine.calls] == [0, 0, 1, 1]
         assert {seed for _, seed in engine.calls} == {None}  # the engine draws from torch's generator
     finally:
         r.close()

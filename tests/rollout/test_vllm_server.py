@@ -230,7 +230,7 @@ def test_async_partial_rollouts_on_the_server_carry_each_turns_version(server_ur
 
     def hook(module):
         record_rollouts(module, seen)
-        engine = module.collector.async_rollouts.engine
+        engine = module.source.driver.transport.engine
         publish = engine.publish
 
         def spy(version, policy):

@@ -331,7 +331,7 @@ def test_a_server_that_exits_while_starting_is_named_with_its_log(tmp_path: Path
 
 @pytest.mark.slow  # a fresh interpreter's torch and transformers imports
 def test_a_trainer_given_urls_imports_no_vllm():
-    code = "import sys, rlhf_lightning.rollout.server_async; assert 'vllm' not in sys.modules"
+    code = "import sys, rlhf_lightning.rollout.asynchronous.servers; assert 'vllm' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 sys.path.insert(0, {root!r})
 from tests.conftest import compose_config
 from rlhf_lightning.run.parts import ProducerBuild
-from rlhf_lightning.rollout.async_producer import Placement
+from rlhf_lightning.rollout.asynchronous.plan import Placement
 
 build = pickle.loads(pickle.dumps(ProducerBuild(OmegaConf.to_yaml(compose_config(['rollout.mode=async']), resolve=True))))
 harness, engine, policy = build(Placement())

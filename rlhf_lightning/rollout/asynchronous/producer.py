@@ -18,6 +18,7 @@ process that dies mid-write leaves the other an end of file, never a hang:
                           ("batch", step, path)           a pickled Produced
                           ("error", traceback)
 
+(The trainer's side: :class:`~rlhf_lightning.rollout.asynchronous.process.ProcessTransport`.)
 The producer dies with the trainer (``PR_SET_PDEATHSIG``), and exits with ``os._exit`` so no
 thread or buffer can hold it at interpreter exit.
 
@@ -35,9 +36,7 @@ import sys
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +44,16 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from rlhf_lightning.records.result import RolloutResult
-from rlhf_lightning.records.sampling import Completion, SamplingParams
-from rlhf_lightning.rollout.kv_reuse import TurnCache
+from rlhf_lightning.rollout.asynchronous.plan import (
+    POLL_S,
+    Placement,
+    Produced,
+    Request,
+    Stop,
+    VersionedSampler,
+    chooser,
+    run_request,
+)
 from rlhf_lightning.runtime import rng
 from rlhf_lightning.runtime.channel import (
     ChannelClosed,
@@ -59,7 +65,7 @@ from rlhf_lightning.runtime.channel import (
 )
 from rlhf_lightning.runtime.children import die_with_parent, parent_alive
 
-POLL_S = 0.5  # how often a wait looks up from its pipe (the other process's liveness)
+TRAINER_DEVICE = Placement()  # the default: the CPU, rank 0 of 1
 
 
 def dump(obj: Any) -> bytes:
@@ -75,136 +81,11 @@ def load_spooled(path: str | Path) -> Any:
     return pickle.loads(data)
 
 
-@dataclass(frozen=True)
-class Placement:
-    """Where a rank's producer runs: its torch ``device`` (``cpu``, or ``cuda:<i>``) and the
-    trainer's ``rank`` of ``world_size`` (a vLLM engine's seed and staging directory follow it)."""
-
-    device: str = "cpu"
-    rank: int = 0
-    world_size: int = 1
-
-    @property
-    def cuda_index(self) -> int | None:
-        return int(self.device.split(":")[1]) if self.device.startswith("cuda:") else None
-
-
-def call_seed(seed: int, call: int) -> int:
-    """The sampling seed of generate call ``call`` of a batch seeded with ``seed`` (an engine with
-    its own generator, vLLM, seeds each prompt from it: a regenerated batch draws the same)."""
-    return (seed * 1_000_003 + call * 7_919) % 2**31
-
-
-@dataclass(frozen=True)
-class Request:
-    """One batch to produce.
-
-    Attributes:
-        step: the training step (batches done before it) that will train on it.
-        rows: the env rows, as the train loader yields them for that step.
-        versions: the policy version of each generate call (turn); the last repeats. With
-            ``newest``, only ``versions[0]`` (the oldest allowed) is fixed in advance.
-        group_size, sampling: as in a synchronous rollout.
-        seed: seeds the producer's generators for this batch (``max_staleness >= 1``), or None.
-        rng_state: the trainer's RNG states to continue from and hand back (``max_staleness=0``:
-            the same random numbers as a synchronous run), or None.
-        newest: each generate call uses the newest version published when it starts (at least
-            ``versions[0]``, at most ``step``), never waiting for one (``rollout.partial`` in
-            ``newest`` mode).
-        replay: the versions the first calls used before a resume (recorded in the checkpoint):
-            those calls use them again, whatever is newest.
-    """
-
-    step: int
-    rows: list[int]
-    versions: list[int]
-    group_size: int
-    sampling: SamplingParams
-    seed: int | None = None
-    rng_state: dict[str, Any] | None = None
-    newest: bool = False
-    replay: list[int] = field(default_factory=list)
-
-
-@dataclass
-class Produced:
-    """A produced batch: its rollout (every trajectory's ``turn_versions`` set), the versions of
-    its generate calls, how long the producer waited for weights or requests while producing it
-    and how long it generated, (``rng_state`` requests) the RNG states after it, and the seed
-    its generators started from (None: the trainer's RNG states)."""
-
-    step: int
-    result: RolloutResult
-    call_versions: list[int]
-    wait_s: float
-    work_s: float
-    rng_state: dict[str, Any] | None = None
-    seed: int | None = None
-
-
-class VersionedSampler:
-    """The engine with the version of each generate call put in place first (``load``), so a
-    turn of a partial rollout can run on newer weights than the turn before.
-
-    ``choose(call)`` picks call ``call``'s version; ``started(call, version)`` hears it before
-    the call (the trainer records it for a resume). Records the versions used."""
-
-    def __init__(
-        self,
-        engine: Any,
-        load: Callable[[int], None],
-        choose: Callable[[int], int],
-        seed: int | None = None,
-        started: Callable[[int, int], None] | None = None,
-    ) -> None:
-        self.engine, self.load, self.choose, self.seed, self.started = engine, load, choose, seed, started
-        self.used: list[int] = []
-        self.turns: TurnCache | None = None  # the engine's, inside turn_session()
-
-    @contextmanager
-    def turn_session(self) -> Iterator[TurnCache | None]:
-        """The engine's own turn session where it has one (the harness opens it for
-        ``env.history=full``): a turn runs on the KV cache of the turn before, as in a synchronous
-        rollout, so lockstep (``max_staleness=0``) samples bitwise what the sync run does."""
-        session = getattr(self.engine, "turn_session", None)
-        if not callable(session):
-            yield None
-            return
-        with session() as turns:
-            self.turns = turns
-            try:
-                yield turns
-            finally:
-                self.turns = None
-
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
-        call = len(self.used)
-        version = self.choose(call)
-        if self.started is not None:
-            self.started(call, version)
-        if self.turns is not None and self.used and version != self.used[-1]:
-            self.turns.forget()  # the cache holds the older version's keys and values
-        self.load(version)
-        if self.seed is not None:
-            params = replace(params, seed=call_seed(self.seed, call))
-        self.used.append(version)
-        return self.engine.generate(prompt_token_ids, params)
-
-
-def planned(versions: list[int]) -> Callable[[int], int]:
-    """Call ``i`` uses ``versions[i]`` (the last one repeats)."""
-    return lambda call: versions[min(call, len(versions) - 1)]
-
-
 def seed_all(seed: int) -> None:
     """Python's, NumPy's and torch's global generators from one seed."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-class Stop(Exception):
-    """The trainer asked the producer to stop (or is gone)."""
 
 
 class Producer:
@@ -217,7 +98,7 @@ class Producer:
         build: Callable[[Placement], tuple[Any, Any, Any]],
         commands: Reader,
         parent_pid: int,
-        place: Placement = Placement(),
+        place: Placement = TRAINER_DEVICE,
         results: Writer | None = None,
     ) -> None:
         self.harness, self.engine, self.policy = build(place)
@@ -282,11 +163,9 @@ class Producer:
         else:
             seed_all(int(req.seed or 0))
         sampler = VersionedSampler(
-            self.engine, self.load, self.chooser(req), req.seed, self.announcer(req.step)
+            self.engine, self.load, chooser(req, self.newest), req.seed, self.announcer(req.step)
         )
-        result = self.harness.rollout(sampler, req.rows, req.sampling, group_size=req.group_size)
-        for traj in result.trajectories:
-            traj.turn_versions = sampler.used[: traj.num_turns]
+        result = run_request(self.harness, sampler, req)
         # Later requests never need an older version than this batch's first.
         for old in [v for v in self.store if v < req.versions[0]]:
             del self.store[old]
@@ -295,19 +174,6 @@ class Producer:
         produced = Produced(req.step, result, sampler.used, self.waited, work, after, req.seed)
         self.waited = 0.0
         return produced
-
-    def chooser(self, req: Request) -> Callable[[int], int]:
-        """Call ``i``'s version: a replayed one, the plan's, or (``newest``) the newest there is."""
-        plan = planned(req.versions)
-
-        def choose(call: int) -> int:
-            if call < len(req.replay):
-                return req.replay[call]
-            if req.newest:
-                return self.newest(req.versions[0], req.step)
-            return plan(call)
-
-        return choose
 
     def announcer(self, step: int) -> Callable[[int, int], None] | None:
         """Tell the trainer which version each call of batch ``step`` starts with."""
@@ -324,7 +190,7 @@ def serve(
     threads: int,
     parent_pid: int,
     spool: str | Path,
-    place: Placement = Placement(),
+    place: Placement = TRAINER_DEVICE,
 ) -> int:
     """Build the parts on ``place``, then serve requests in order until told to stop (or the
     trainer is gone): 0. Any error goes back to the trainer with its traceback: 1."""
@@ -365,7 +231,7 @@ def producer_main(
     threads: int,
     parent_pid: int,
     spool: str,
-    place: Placement = Placement(),
+    place: Placement = TRAINER_DEVICE,
 ) -> None:
     """The producer process (:func:`serve`). ``commands_end`` / ``results_end``: this process's
     ends of the two pipes (``multiprocessing`` connections, taken over as plain descriptors)."""
