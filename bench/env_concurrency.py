@@ -53,9 +53,9 @@ def main() -> None:
     from rlhf_lightning.models.build import build_policy, load_model, load_tokenizer
     from rlhf_lightning.models.tiny import TINY_MODEL_DIR
     from rlhf_lightning.records.sampling import SamplingParams
-    from rlhf_lightning.rollout.chat import ChatFormatter
-    from rlhf_lightning.rollout.harness import RolloutHarness
-    from rlhf_lightning.rollout.hf import HFEngine
+    from rlhf_lightning.rollout.engines.hf import HFEngine
+    from rlhf_lightning.rollout.episodes.chat import ChatFormatter
+    from rlhf_lightning.rollout.episodes.harness import RolloutHarness
 
     tok = load_tokenizer(str(TINY_MODEL_DIR))
     policy = build_policy(load_model(str(TINY_MODEL_DIR), dtype="float32", attn_implementation="eager"))

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench/gpu_sleep_wake.py measures GPU memory: run it on a machine with a CUDA GPU")
     from rlhf_lightning.models.build import build_policy, load_model, load_tokenizer
-    from rlhf_lightning.rollout.vllm import VLLMEngine
+    from rlhf_lightning.rollout.engines.vllm import VLLMEngine
 
     tok = load_tokenizer(a.model)
     policy = build_policy(load_model(a.model, dtype=a.dtype).cuda(), finetune="full" if a.full else "lora")

@@ -33,9 +33,9 @@ def play(model: Any, tok: Any, reuse: bool, episodes: int, seed: int) -> tuple[A
 
     from rlhf_lightning.envs.gem import GemEnv
     from rlhf_lightning.records.sampling import SamplingParams
-    from rlhf_lightning.rollout.chat import ChatFormatter
-    from rlhf_lightning.rollout.harness import RolloutHarness
-    from rlhf_lightning.rollout.hf import HFEngine
+    from rlhf_lightning.rollout.engines.hf import HFEngine
+    from rlhf_lightning.rollout.episodes.chat import ChatFormatter
+    from rlhf_lightning.rollout.episodes.harness import RolloutHarness
 
     engine = HFEngine(
         lambda: model, tok.pad_token_id, [tok.eos_token_id], tokenizer=tok, reuse_turn_cache=reuse

@@ -48,8 +48,8 @@ def main() -> None:
     from rlhf_lightning.models.tiny import TINY_MODEL_DIR
     from rlhf_lightning.records.sampling import SamplingParams
     from rlhf_lightning.records.trajectory import Trajectory, collate
-    from rlhf_lightning.rollout.harness import ChatFormatter
-    from rlhf_lightning.rollout.hf import HFEngine
+    from rlhf_lightning.rollout.engines.hf import HFEngine
+    from rlhf_lightning.rollout.episodes.harness import ChatFormatter
 
     path = str(TINY_MODEL_DIR)
     tok = load_tokenizer(path)

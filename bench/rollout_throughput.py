@@ -47,8 +47,8 @@ def main() -> None:
     from rlhf_lightning.models.build import build_policy, load_model, load_tokenizer
     from rlhf_lightning.models.tiny import TINY_MODEL_DIR
     from rlhf_lightning.records.sampling import SamplingParams
-    from rlhf_lightning.rollout.harness import ChatFormatter, RolloutHarness
-    from rlhf_lightning.rollout.hf import HFEngine
+    from rlhf_lightning.rollout.engines.hf import HFEngine
+    from rlhf_lightning.rollout.episodes.harness import ChatFormatter, RolloutHarness
 
     path = str(TINY_MODEL_DIR)
     tok = load_tokenizer(path)
@@ -76,7 +76,7 @@ def main() -> None:
                 yield "hf", HFEngine(policy.generation_model, tok.pad_token_id, [tok.eos_token_id])
             elif name == "vllm":
                 try:
-                    from rlhf_lightning.rollout.vllm import VLLMEngine
+                    from rlhf_lightning.rollout.engines.vllm import VLLMEngine
                 except ImportError as err:
                     print(f"skipping vllm: {err}", file=sys.stderr)
                     continue
@@ -111,8 +111,8 @@ def main() -> None:
 
 def server_engines(path: str, policy, concurrencies: list[int]):
     """One vLLM server started here (LoRA, fp32), then driven by URL with each concurrency."""
-    from rlhf_lightning.rollout.server_process import LaunchSpec
-    from rlhf_lightning.rollout.vllm_server import ServerSettings, VLLMServerEngine
+    from rlhf_lightning.rollout.servers.engine import ServerSettings, VLLMServerEngine
+    from rlhf_lightning.rollout.servers.process import LaunchSpec
 
     launch = LaunchSpec(path, dtype="float32", lora_rank=16)
     owner = VLLMServerEngine(ServerSettings(launch=launch, log_dir=os.environ.get("BENCH_SERVER_LOGS")))

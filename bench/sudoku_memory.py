@@ -67,8 +67,8 @@ def sudoku_batch(tokenizer, history: str, episodes: int, seed: int):
     """``episodes`` scripted games, rows 0.., as the harness builds them with ``history``."""
     from rlhf_lightning.envs.gem import GemEnv
     from rlhf_lightning.records.sampling import SamplingParams
-    from rlhf_lightning.rollout.chat import ChatFormatter
-    from rlhf_lightning.rollout.harness import RolloutHarness
+    from rlhf_lightning.rollout.episodes.chat import ChatFormatter
+    from rlhf_lightning.rollout.episodes.harness import RolloutHarness
 
     harness = RolloutHarness(
         lambda: GemEnv(id="game:Sudoku-v0-easy"),

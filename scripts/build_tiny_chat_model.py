@@ -37,8 +37,8 @@ from rlhf_lightning.config import ASSETS, register_configs
 from rlhf_lightning.envs.factory import env_factory
 from rlhf_lightning.models.tiny import build_tokenizer, save_untrained
 from rlhf_lightning.records.sampling import SamplingParams
-from rlhf_lightning.rollout.engine import RolloutEngine
-from rlhf_lightning.rollout.harness import ChatFormatter, RolloutHarness
+from rlhf_lightning.rollout.engines.base import RolloutEngine
+from rlhf_lightning.rollout.episodes.harness import ChatFormatter, RolloutHarness
 from rlhf_lightning.run import run
 
 CHAT_MODEL_DIR = ASSETS / "tiny_chat"

@@ -45,8 +45,8 @@ from rlhf_lightning.config import ASSETS
 from rlhf_lightning.envs.gem import GemEnv
 from rlhf_lightning.models.tiny import build_tiny_model, build_tokenizer
 from rlhf_lightning.records.sampling import SamplingParams
-from rlhf_lightning.rollout.engine import RolloutEngine
-from rlhf_lightning.rollout.harness import ChatFormatter, RolloutHarness
+from rlhf_lightning.rollout.engines.base import RolloutEngine
+from rlhf_lightning.rollout.episodes.harness import ChatFormatter, RolloutHarness
 from rlhf_lightning.run import run
 
 GEM_MODEL_DIR = ASSETS / "tiny_gem"

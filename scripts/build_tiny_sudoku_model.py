@@ -9,7 +9,7 @@ from the board alone (the Markov view) and a turn costs O(board) tokens.
    mistake: a legal-looking wrong digit, a digit in a filled cell (an earlier move's cell
    repeated, or a clue), or a malformed reply. ``--episodes`` games on train rows 0.., cut
    into one SFT example per turn: the turn's prompt as the harness renders it with
-   ``env.history=last`` (:func:`~rlhf_lightning.rollout.chat.latest_view`) and the move.
+   ``env.history=last`` (:func:`~rlhf_lightning.rollout.episodes.chat.latest_view`) and the move.
 2. Train a byte-level BPE tokenizer on those examples rendered in the chat format, with every
    board cell one token (:data:`CELL_TOKENS`), and build a Qwen2-style model (random weights,
    ``--layers`` x ``--hidden``).
@@ -49,8 +49,8 @@ from make_gem_sft_data import SUDOKU_ID, gem_dialogues, summary
 from rlhf_lightning.config import ASSETS
 from rlhf_lightning.envs.gem import GemEnv
 from rlhf_lightning.models.tiny import build_tiny_model, build_tokenizer
-from rlhf_lightning.rollout.chat import ChatFormatter, latest_view
-from rlhf_lightning.rollout.harness import RolloutHarness
+from rlhf_lightning.rollout.episodes.chat import ChatFormatter, latest_view
+from rlhf_lightning.rollout.episodes.harness import RolloutHarness
 from rlhf_lightning.run import run
 
 MODEL_DIR = ASSETS / "tiny_sudoku"

@@ -51,8 +51,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from rlhf_lightning.config import ASSETS
 from rlhf_lightning.models.tiny import build_tiny_model, build_tokenizer
-from rlhf_lightning.rollout.chat import env_tools
-from rlhf_lightning.rollout.harness import RolloutHarness
+from rlhf_lightning.rollout.episodes.chat import env_tools
+from rlhf_lightning.rollout.episodes.harness import RolloutHarness
 from rlhf_lightning.run import run
 from rlhf_lightning.run.factories import harness_from
 

@@ -153,6 +153,7 @@ LONGEST_FIRST = (  # by their time in a full run on 2026-12-03, longest first
     "tests/test_export.py",
     "tests/test_config.py",
     "tests/rollout/test_vllm_server.py",
+    "tests/envs/test_openenv_runs.py",
     "tests/algorithms/test_eval_ranks.py",
     "tests/population/test_side_by_side.py",
     "tests/test_bench.py",

@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
 
 from rlhf_lightning.config import ASSETS
 from rlhf_lightning.envs.tool_tasks import CalculatorToolEnv
-from rlhf_lightning.rollout.chat import ChatFormatter, env_tools
+from rlhf_lightning.rollout.episodes.chat import ChatFormatter, env_tools
 from rlhf_lightning.run.validation import validate
 from tests.conftest import compose_config, fit_steps, spy_collect, trainable_snapshot
 

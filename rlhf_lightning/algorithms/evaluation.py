@@ -20,7 +20,7 @@ from rlhf_lightning.config.sections import pass_ks
 from rlhf_lightning.data.prompts import PAD_ROW
 from rlhf_lightning.records.result import RolloutResult
 from rlhf_lightning.records.sampling import SamplingParams
-from rlhf_lightning.rollout.harness import SUCCESS_KEYS, reward_value, success_flag
+from rlhf_lightning.rollout.episodes.harness import SUCCESS_KEYS, reward_value, success_flag
 from rlhf_lightning.runtime import rng
 
 log = logging.getLogger(__name__)

@@ -17,8 +17,8 @@ from rlhf_lightning.learner.optimizer import adamw_with_schedule
 from rlhf_lightning.models.policy import Policy
 from rlhf_lightning.records.sampling import SamplingParams
 from rlhf_lightning.records.trajectory import TrajectoryBatch
-from rlhf_lightning.rollout.engine import RolloutEngine
-from rlhf_lightning.rollout.harness import RolloutHarness
+from rlhf_lightning.rollout.engines.base import RolloutEngine
+from rlhf_lightning.rollout.episodes.harness import RolloutHarness
 from rlhf_lightning.rollout.source import RolloutSource
 from rlhf_lightning.runtime.strategies import split_global
 

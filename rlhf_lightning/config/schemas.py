@@ -117,7 +117,7 @@ class RolloutConfig:
 
 @dataclass
 class VLLMRolloutConfig(RolloutConfig):
-    """Colocated vLLM (``rollout=vllm``); see rlhf_lightning/rollout/vllm.py."""
+    """Colocated vLLM (``rollout=vllm``); see rlhf_lightning/rollout/engines/vllm.py."""
 
     engine: str = "vllm"
     dtype: str = "auto"  # the engine's dtype; auto: the checkpoint's
@@ -136,7 +136,7 @@ class VLLMRolloutConfig(RolloutConfig):
 @dataclass
 class VLLMServerRolloutConfig(RolloutConfig):
     """Rollouts on vLLM inference servers (``rollout=vllm_server``); see
-    docs/guides/inference-servers.md and rlhf_lightning/rollout/vllm_server.py."""
+    docs/guides/inference-servers.md and rlhf_lightning/rollout/servers/engine.py."""
 
     engine: str = "vllm_server"
     servers: list[str] | None = None  # running servers' URLs (http://host:port); null: the run starts them

@@ -81,7 +81,7 @@ OPENENV_TARGET = "rlhf_lightning.envs.openenv.OpenEnvEnv"
 def check_openenv(e: DictConfig) -> None:
     """``env=openenv``: exactly one of ``env.kwargs.url`` and ``env.kwargs.app``, and steps on
     threads (a live WebSocket session cannot travel to a step worker process; the adapter bounds
-    every call itself with ``env.kwargs.timeout_s``). The rest is checked when the env is built,
+    every call itself with ``env.step_timeout_s``). The rest is checked when the env is built,
     before the model loads (``envs/openenv``)."""
     if e.get("_target_") != OPENENV_TARGET:
         return
@@ -95,11 +95,17 @@ def check_openenv(e: DictConfig) -> None:
         f"server the run starts); {'both are' if url is not None else 'neither is'} set",
     )
     check(
-        e.step_timeout_s is None,
+        isinstance(e.step_timeout_s, (int, float)) and e.step_timeout_s > 0,
         "env.step_timeout_s",
         e.step_timeout_s,
-        "null with env=openenv: its sessions cannot be stepped in worker processes; set "
-        "env.kwargs.timeout_s instead (every call's own deadline)",
+        "a number of seconds > 0 with env=openenv: every call to the env server (connect + reset, "
+        "step) ends by then",
+    )
+    check(
+        kwargs.get("timeout_s", e.step_timeout_s) == e.step_timeout_s,
+        "env.kwargs.timeout_s",
+        kwargs.get("timeout_s"),
+        f"unset: env=openenv's deadline is env.step_timeout_s (={e.step_timeout_s}); set that instead",
     )
     check(
         e.step_workers == "thread" or e.concurrency == 1,

@@ -1,6 +1,6 @@
 """What the run reads from ``rollout.server_args`` (the extra arguments of the vLLM servers it
 starts). Import-light (no omegaconf, torch or vLLM): the early config checks
-(``config/early.py``) and the server command line (``rollout/server_process.py``) share it.
+(``config/early.py``) and the server command line (``rollout/servers/process.py``) share it.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from rlhf_lightning.data.prompts import eval_row_loader, per_rank_batch
 from rlhf_lightning.data.resumable import resumable_loader
 from rlhf_lightning.envs.files import read_rows, split_rows, warn_shared_rows
 from rlhf_lightning.records.trajectory import Trajectory, TrajectoryBatch, collate, segment_positions
-from rlhf_lightning.rollout.harness import ChatFormatter
+from rlhf_lightning.rollout.episodes.harness import ChatFormatter
 
 log = logging.getLogger(__name__)
 

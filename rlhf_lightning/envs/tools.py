@@ -2,7 +2,7 @@
 
 Tools are plain typed Python functions with Google-style docstrings; their JSON schemas come from
 ``transformers.utils.get_json_schema`` and reach the chat template as ``apply_chat_template(
-tools=...)`` (``ToolEnv.tool_schemas``, read by ``rollout.chat.env_tools``). A named parser
+tools=...)`` (``ToolEnv.tool_schemas``, read by ``rollout.episodes.chat.env_tools``). A named parser
 (``envs.tool_parsers``) reads the calls out of each reply; each call runs with a time limit and
 its result goes back as a ``{"role": "tool", ...}`` message, which the chat template renders in
 its own tool-role format, so trajectories stay token-exact at assistant -> tool -> assistant

@@ -26,7 +26,7 @@ from rlhf_lightning.ops.logprobs import chunked_logprobs
 if TYPE_CHECKING:
     from rlhf_lightning.records.trajectory import TrajectoryBatch
 
-# cache_kwarg and output_cache live in models/prompt_sharing.py; rollout/hf.py imports them from here.
+# cache_kwarg and output_cache live in models/prompt_sharing.py; rollout/engines/hf.py imports them from here.
 __all__ = ["Policy", "cache_kwarg", "output_cache", "parameter_roles", "shared_prefix_hidden"]
 
 

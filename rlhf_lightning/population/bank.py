@@ -29,7 +29,7 @@ from rlhf_lightning.learner.plan import UpdatePlan
 from rlhf_lightning.models.adapters import copy_adapter
 from rlhf_lightning.records.result import RolloutResult
 from rlhf_lightning.records.trajectory import Trajectory, collate
-from rlhf_lightning.rollout.harness import RolloutHarness
+from rlhf_lightning.rollout.episodes.harness import RolloutHarness
 from rlhf_lightning.rollout.source import RolloutSource
 
 # (hyper-parameters, the algorithm's config values, world size, member id) -> raises if invalid

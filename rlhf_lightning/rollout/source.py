@@ -56,7 +56,7 @@ class RolloutSource:
     """The episodes of a rollout module.
 
     Args:
-        harness: the episode driver (:class:`~rlhf_lightning.rollout.harness.RolloutHarness`).
+        harness: the episode driver (:class:`~rlhf_lightning.rollout.episodes.harness.RolloutHarness`).
         engine: the rollout engine (synced with ``policy`` before every call made now).
         policy: the trainable policy.
         version: the policy's current version for the engine's sync (the optimizer step).

@@ -39,8 +39,8 @@ from rlhf_lightning.population.side_by_side import SideBySidePopulation
 from rlhf_lightning.rollout.asynchronous.driver import AsyncDriver
 from rlhf_lightning.rollout.asynchronous.plan import AsyncSettings
 from rlhf_lightning.rollout.asynchronous.process import ProcessTransport
-from rlhf_lightning.rollout.callback import RolloutEngineCallback
-from rlhf_lightning.rollout.harness import RolloutHarness
+from rlhf_lightning.rollout.engines.callback import RolloutEngineCallback
+from rlhf_lightning.rollout.episodes.harness import RolloutHarness
 from rlhf_lightning.run.parts import (  # noqa: F401  (re-exported: the factories' old place)
     ProducerBuild,
     build_engine,

@@ -278,7 +278,7 @@ def _fit(
         raise SystemExit(128 + signal.SIGINT) from None
     finally:
         cbs.engine.close(module)
-        cast(Any, module).close()  # its workers (the async rollout producer)
+        cast(Any, module).shutdown()  # its workers (the async rollout producer), the env's servers
         finish_wandb()
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     objective = None

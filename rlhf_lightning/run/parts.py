@@ -20,9 +20,9 @@ from rlhf_lightning.models.policy import Policy
 from rlhf_lightning.records.sampling import SamplingParams
 from rlhf_lightning.rewards import CombinedReward, build_reward
 from rlhf_lightning.rollout.asynchronous.plan import Placement
-from rlhf_lightning.rollout.chat import ChatFormatter, check_template, env_tools
-from rlhf_lightning.rollout.harness import RolloutHarness
-from rlhf_lightning.rollout.hf import HFEngine
+from rlhf_lightning.rollout.engines.hf import HFEngine
+from rlhf_lightning.rollout.episodes.chat import ChatFormatter, check_template, env_tools
+from rlhf_lightning.rollout.episodes.harness import RolloutHarness
 from rlhf_lightning.run.server_factory import server_engine
 
 
@@ -57,7 +57,8 @@ def harness_from(cfg: DictConfig, tokenizer: Any, online: bool) -> tuple[Rollout
         on_reward_error=e.on_reward_error,
         reward=training_reward(cfg.reward) if online else None,
         concurrency=e.concurrency,
-        step_timeout_s=e.step_timeout_s,
+        # an env that bounds its own calls (env=openenv) needs no step deadline of the harness's
+        step_timeout_s=None if getattr(factory, "bounds_its_calls", False) else e.step_timeout_s,
         step_workers=e.step_workers,
         history=e.history,
         history_k=e.history_k,
@@ -139,7 +140,7 @@ def build_engine(
             r.max_batch_size,
             tokenizer=tokenizer,
         )
-    from rlhf_lightning.rollout.vllm import VLLMEngine
+    from rlhf_lightning.rollout.engines.vllm import VLLMEngine
 
     m = cfg.model
     dtype = r.dtype if r.dtype != "auto" else m.dtype

@@ -11,10 +11,10 @@ from omegaconf import DictConfig
 from rlhf_lightning.rollout.asynchronous.driver import AsyncDriver
 from rlhf_lightning.rollout.asynchronous.plan import AsyncSettings
 from rlhf_lightning.rollout.asynchronous.servers import ServerTransport
-from rlhf_lightning.rollout.harness import RolloutHarness
-from rlhf_lightning.rollout.server_client import RequestPolicy
-from rlhf_lightning.rollout.server_process import LaunchSpec
-from rlhf_lightning.rollout.vllm_server import ServerSettings, VLLMServerEngine
+from rlhf_lightning.rollout.episodes.harness import RolloutHarness
+from rlhf_lightning.rollout.servers.client import RequestPolicy
+from rlhf_lightning.rollout.servers.engine import ServerSettings, VLLMServerEngine
+from rlhf_lightning.rollout.servers.process import LaunchSpec
 
 
 def launch_spec(cfg: DictConfig) -> LaunchSpec:

@@ -14,10 +14,10 @@ from rlhf_lightning.callbacks.configured import check_configured_callbacks
 from rlhf_lightning.config.algo import registered_name
 from rlhf_lightning.config.early import LOGGERS, early_checks, is_typed, validate_optim
 from rlhf_lightning.config.errors import ConfigError, check
-from rlhf_lightning.config.sections import check_constructor_kwargs
+from rlhf_lightning.config.sections import OPENENV_TARGET, check_constructor_kwargs
 from rlhf_lightning.losses import POLICY_LOSSES
 from rlhf_lightning.models.kernels import QUANT_TYPES, gpu_model_problem
-from rlhf_lightning.rollout.stepping import STEP_WORKERS
+from rlhf_lightning.rollout.episodes.stepping import STEP_WORKERS
 from rlhf_lightning.run.deepspeed_checks import validate_deepspeed
 from rlhf_lightning.runtime.strategies import STRATEGIES, split_global
 
@@ -283,8 +283,8 @@ def validate_reward_and_env(cfg: DictConfig) -> None:
         e.step_workers,
         f"one of {', '.join(STEP_WORKERS)}",
     )
-    check(
-        e.step_workers == "process" or e.step_timeout_s is None,
+    check(  # env=openenv bounds its own calls with env.step_timeout_s (config/sections.check_openenv)
+        e.step_workers == "process" or e.step_timeout_s is None or e.get("_target_") == OPENENV_TARGET,
         "env.step_timeout_s",
         e.step_timeout_s,
         "null with env.step_workers=thread (a thread cannot be stopped); or set env.step_workers=process",

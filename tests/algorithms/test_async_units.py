@@ -39,7 +39,7 @@ from rlhf_lightning.rollout.asynchronous.plan import (
 )
 from rlhf_lightning.rollout.asynchronous.process import ProcessTransport
 from rlhf_lightning.rollout.asynchronous.producer import Producer
-from rlhf_lightning.rollout.engine import EngineBase
+from rlhf_lightning.rollout.engines.base import EngineBase
 from rlhf_lightning.runtime import rng
 from rlhf_lightning.runtime.channel import Reader, Writer
 

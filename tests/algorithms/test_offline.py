@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from rlhf_lightning.config.errors import ConfigError
 from rlhf_lightning.data.offline import encode_conversation
-from rlhf_lightning.rollout.harness import ChatFormatter
+from rlhf_lightning.rollout.episodes.harness import ChatFormatter
 from rlhf_lightning.run import run
 from tests.conftest import FAST, compose_config, fit_steps
 

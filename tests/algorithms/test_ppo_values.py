@@ -111,7 +111,7 @@ def test_a_cut_reply_the_env_scored_is_terminal(tiny_tokenizer, reward):
     reward is the outcome, so the target is r, not r + V(s_T) (a cut reply scored 1 would get a
     target above the maximum return; a cut chain of thought scored 0 would lose its penalty)."""
     from rlhf_lightning.records.sampling import Completion
-    from rlhf_lightning.rollout.harness import ChatFormatter, RolloutHarness
+    from rlhf_lightning.rollout.episodes.harness import ChatFormatter, RolloutHarness
 
     class OneReply:
         def generate(self, prompts, params):

@@ -1,5 +1,5 @@
 """``--logprobs-mode`` in ``rollout.server_args`` is read by one helper, for the early check
-(config/early.py) and the server command line (rollout/server_process.py) alike."""
+(config/early.py) and the server command line (rollout/servers/process.py) alike."""
 
 from __future__ import annotations
 

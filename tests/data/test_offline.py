@@ -11,7 +11,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 from rlhf_lightning.config import ASSETS
 from rlhf_lightning.data.offline import OfflineCollator, SFTDataset, pack_trajectories
 from rlhf_lightning.models.build import build_policy, load_model
-from rlhf_lightning.rollout.harness import ChatFormatter
+from rlhf_lightning.rollout.episodes.harness import ChatFormatter
 
 KEYS = {"messages": "messages", "prompt": "prompt", "completion": "completion"}
 

@@ -13,7 +13,7 @@ import pytest
 from rlhf_lightning.config import ASSETS
 from rlhf_lightning.config.errors import ConfigError
 from rlhf_lightning.data.offline import OfflineDataModule
-from rlhf_lightning.rollout.harness import ChatFormatter
+from rlhf_lightning.rollout.episodes.harness import ChatFormatter
 
 KEYS = {k: k for k in ("messages", "prompt", "completion", "chosen", "rejected")}
 

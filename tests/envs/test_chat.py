@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlhf_lightning.rollout.chat import ChatFormatter
+from rlhf_lightning.rollout.episodes.chat import ChatFormatter
 
 # Like Qwen3's: earlier assistant turns lose their reasoning once another turn follows.
 STRIPPING = (
@@ -50,7 +50,7 @@ def test_tools_reach_the_template(tiny_tokenizer, monkeypatch):
 
 def test_a_template_that_ignores_tools_is_refused(tiny_tokenizer):
     from rlhf_lightning.config.errors import ConfigError
-    from rlhf_lightning.rollout.chat import check_template
+    from rlhf_lightning.rollout.episodes.chat import check_template
 
     tools = [{"type": "function", "function": {"name": "calculator", "parameters": {}}}]
     with pytest.raises(

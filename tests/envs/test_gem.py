@@ -23,7 +23,7 @@ from rlhf_lightning.envs.base import TextEnv
 from rlhf_lightning.envs.factory import env_factory
 from rlhf_lightning.envs.gem import GemEnv, gem_seed
 from rlhf_lightning.records.sampling import Completion, SamplingParams
-from rlhf_lightning.rollout.harness import ChatFormatter, RolloutHarness
+from rlhf_lightning.rollout.episodes.harness import ChatFormatter, RolloutHarness
 from tests.conftest import fit_recording
 
 SUDOKU, GUESS, MINES, G2048 = (

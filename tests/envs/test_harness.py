@@ -6,7 +6,7 @@ import torch
 
 from rlhf_lightning.envs.arithmetic import ArithmeticEnv
 from rlhf_lightning.records.sampling import Completion, SamplingParams
-from rlhf_lightning.rollout.harness import ChatFormatter, RolloutHarness
+from rlhf_lightning.rollout.episodes.harness import ChatFormatter, RolloutHarness
 
 
 class ScriptedEngine:

@@ -14,7 +14,7 @@ from rlhf_lightning.envs.math import MathEnv
 from rlhf_lightning.envs.sudoku import SudokuEnv
 from rlhf_lightning.envs.tool_calc import ToolCalcEnv
 from rlhf_lightning.records.sampling import Completion, SamplingParams
-from rlhf_lightning.rollout.harness import ChatFormatter, RolloutHarness
+from rlhf_lightning.rollout.episodes.harness import ChatFormatter, RolloutHarness
 
 REPLIES = [
     "7",

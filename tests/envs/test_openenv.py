@@ -23,7 +23,7 @@ from rlhf_lightning.envs.factory import env_factory
 from rlhf_lightning.envs.openenv import OpenEnvEnv, OpenEnvFactory, OpenEnvTimeout
 from rlhf_lightning.envs.openenv.settings import default_message, text_field
 from rlhf_lightning.records.sampling import SamplingParams
-from rlhf_lightning.rollout.harness import ChatFormatter, RolloutHarness
+from rlhf_lightning.rollout.episodes.harness import ChatFormatter, RolloutHarness
 from rlhf_lightning.runtime.local_server import free_port
 from tests.envs.test_multiturn import RandomEngine, replay
 
@@ -152,12 +152,12 @@ def test_a_session_is_closed_when_its_env_is_dropped(guess):
 
 
 def test_the_env_refuses_to_be_pickled_naming_the_setting(guess):
-    with pytest.raises(TypeError, match=r"env\.step_workers=thread.*env\.kwargs\.timeout_s"):
+    with pytest.raises(TypeError, match=r"env\.step_workers=thread.*env\.step_timeout_s"):
         pickle.dumps(guess())
 
 
 def test_a_step_that_never_returns_is_stopped_at_the_deadline(tmp_path, tiny_tokenizer):
-    """The server's step hangs: the call ends at env.kwargs.timeout_s with OpenEnvTimeout naming
+    """The server's step hangs: the call ends at env.step_timeout_s (the adapter's timeout_s) with OpenEnvTimeout naming
     the call; through the harness the episode is scored as a step error (on_reward_error=zero)."""
     factory = env_factory(
         TARGET,
@@ -257,7 +257,8 @@ def test_an_unreachable_url_fails_before_the_model_loads(fast_cfg, no_model):
     [
         (["env.kwargs.app=null"], "env.kwargs.url"),  # neither
         (["env.kwargs.url=http://127.0.0.1:1"], "env.kwargs.url"),  # both
-        (["env.step_timeout_s=5", "env.step_workers=process"], "env.step_timeout_s"),
+        (["env.step_timeout_s=null"], "env.step_timeout_s"),
+        (["env.kwargs.timeout_s=5"], "env.kwargs.timeout_s"),
         (["env.step_workers=process"], "env.step_workers"),
         (["env.kwargs.app=examples.openenv_guess.nowhere:app"], "env.kwargs.app"),
     ],

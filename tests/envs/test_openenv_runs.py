@@ -91,7 +91,8 @@ def test_three_steps_with_the_server_the_run_starts(tmp_path):
         assert all(r["env/guesses"] and r["env/distance"] and r["env/solved"] for r in rows)
         log = (out / "servers" / "openenv-0.log").read_text()
         assert re.search(rf"uvicorn {re.escape(GUESS_APP)} --host 127\.0\.0\.1 --port \d+", log)
-        assert len(guards_of(os.getpid())) == 1
+        assert not guards_of(os.getpid())  # stopped with the run (run(cfg) in-process)
+        assert result.module.harness.env_factory.endpoint.server.death() is not None
     finally:
         stop_servers()
     assert not guards_of(os.getpid())

@@ -8,9 +8,9 @@ import time
 import pytest
 
 from rlhf_lightning.records.sampling import SamplingParams
-from rlhf_lightning.rollout.chat import ChatFormatter
-from rlhf_lightning.rollout.harness import RolloutHarness
-from rlhf_lightning.rollout.stepping import EnvStepper
+from rlhf_lightning.rollout.episodes.chat import ChatFormatter
+from rlhf_lightning.rollout.episodes.harness import RolloutHarness
+from rlhf_lightning.rollout.episodes.stepping import EnvStepper
 from tests.envs.slow_things import Boom, Dies, Hangs, SlowGuess
 from tests.envs.test_harness import ScriptedEngine
 from tests.runtime.test_workers import assert_no_children, new_children, note_children
@@ -132,6 +132,6 @@ def test_a_step_worker_imports_no_torch():
     import subprocess
     import sys
 
-    code = "import sys, rlhf_lightning.rollout.stepping; print('torch' in sys.modules)"
+    code = "import sys, rlhf_lightning.rollout.episodes.stepping; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

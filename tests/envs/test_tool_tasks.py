@@ -12,7 +12,7 @@ from transformers.utils import get_json_schema
 from rlhf_lightning.envs.tool_calc import ToolCalcEnv
 from rlhf_lightning.envs.tool_tasks import CalculatorToolEnv, calculator
 from rlhf_lightning.records.sampling import Completion
-from rlhf_lightning.rollout.engine import EngineBase
+from rlhf_lightning.rollout.engines.base import EngineBase
 from tests.envs.tool_helpers import TEMPLATE, call
 
 # -- the calculator task ------------------------------------------------------------------------
@@ -150,7 +150,7 @@ def test_env_tools_trains_two_steps_on_tiny_chat(fast_cfg, tmp_path):
     before: dict[str, torch.Tensor] = {}
 
     def hook(module):
-        module.engine = CalculatorPlayer(module.harness.tokenizer)
+        module.engine = module.source.engine = CalculatorPlayer(module.harness.tokenizer)
         before.update({n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad})
 
     metrics = Metrics()

@@ -11,7 +11,7 @@ from transformers.utils import get_json_schema
 from rlhf_lightning.config import ASSETS
 from rlhf_lightning.envs.tool_parsers import ToolCall, parse_hermes
 from rlhf_lightning.envs.tool_tasks import add
-from rlhf_lightning.rollout.chat import ChatFormatter
+from rlhf_lightning.rollout.episodes.chat import ChatFormatter
 from tests.envs.tool_helpers import TEMPLATE, tools_tokenizer
 
 

@@ -16,8 +16,8 @@ from rlhf_lightning.envs.tool_parsers import ToolCall, parse_hermes
 from rlhf_lightning.envs.tool_tasks import TABLE, AddLookupToolEnv, add, lookup
 from rlhf_lightning.envs.tools import LIMIT_NOTE, ToolEnv
 from rlhf_lightning.records.sampling import Completion, SamplingParams
-from rlhf_lightning.rollout.chat import ChatFormatter, check_template, env_tools
-from rlhf_lightning.rollout.harness import RolloutHarness
+from rlhf_lightning.rollout.episodes.chat import ChatFormatter, check_template, env_tools
+from rlhf_lightning.rollout.episodes.harness import RolloutHarness
 from tests.envs.slow_things import boom, sleepy, spin
 from tests.envs.tool_helpers import call, tools_tokenizer
 

@@ -14,7 +14,7 @@ from rlhf_lightning.learner.family import Family
 from rlhf_lightning.losses.corrections import overlong_penalty
 from rlhf_lightning.records.sampling import SamplingParams
 from rlhf_lightning.records.trajectory import Trajectory, collate
-from rlhf_lightning.rollout.harness import ChatFormatter, RolloutHarness
+from rlhf_lightning.rollout.episodes.harness import ChatFormatter, RolloutHarness
 from tests.envs.test_harness import ScriptedEngine
 
 

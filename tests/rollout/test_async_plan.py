@@ -1,4 +1,4 @@
-"""The version plan of asynchronous rollouts (``rollout/async_plan.py``): which version each
+"""The version plan of asynchronous rollouts (``rollout/asynchronous/plan.py``): which version each
 batch and turn uses, the seeds, where each rank's producer runs, and the staleness a batch's
 tokens carry (by hand)."""
 

@@ -1,5 +1,5 @@
 """The async producer reuses the KV cache across the turns of an episode as a synchronous rollout
-does (``env.history=full``, :mod:`rlhf_lightning.rollout.kv_reuse`): lockstep async
+does (``env.history=full``, :mod:`rlhf_lightning.rollout.engines.kv_reuse`): lockstep async
 (``rollout.max_staleness=0``) on a multi-turn env is bitwise the synchronous run, and a turn
 that runs on newer weights than the turn before (partial rollouts) never reads the older
 weights' cache."""
@@ -16,10 +16,10 @@ from rlhf_lightning.models.build import load_model, load_tokenizer
 from rlhf_lightning.models.tiny import ASSETS
 from rlhf_lightning.records.sampling import SamplingParams
 from rlhf_lightning.rollout.asynchronous.plan import VersionedSampler, planned
-from rlhf_lightning.rollout.chat import ChatFormatter
-from rlhf_lightning.rollout.harness import RolloutHarness
-from rlhf_lightning.rollout.hf import HFEngine
-from rlhf_lightning.rollout.kv_reuse import TurnCache
+from rlhf_lightning.rollout.engines.hf import HFEngine
+from rlhf_lightning.rollout.engines.kv_reuse import TurnCache
+from rlhf_lightning.rollout.episodes.chat import ChatFormatter
+from rlhf_lightning.rollout.episodes.harness import RolloutHarness
 from tests.conftest import FAST, compose_config, fit_steps
 
 MULTI_TURN = [*FAST, "num_threads=1", "env=guess_number", "env.max_turns=3", "env.history=full"]

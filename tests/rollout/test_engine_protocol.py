@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import inspect
 
-from rlhf_lightning.rollout.engine import AdapterSampler, RolloutEngine, Sampler
-from rlhf_lightning.rollout.hf import HFEngine
-from rlhf_lightning.rollout.vllm import VLLMEngine
+from rlhf_lightning.rollout.engines.base import AdapterSampler, RolloutEngine, Sampler
+from rlhf_lightning.rollout.engines.hf import HFEngine
+from rlhf_lightning.rollout.engines.vllm import VLLMEngine
 
 CALLED = {"generate", "bind_rank", "wake", "sleep", "sync_weights", "ensure_synced", "invalidate", "shutdown"}
 

@@ -13,7 +13,7 @@ import torch
 
 from rlhf_lightning.algorithms.evaluation import episode_success, episode_values
 from rlhf_lightning.records.sampling import SamplingParams
-from rlhf_lightning.rollout.harness import ChatFormatter, RolloutHarness
+from rlhf_lightning.rollout.episodes.harness import ChatFormatter, RolloutHarness
 from tests.envs.test_harness import ScriptedEngine
 
 

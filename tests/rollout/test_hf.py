@@ -6,7 +6,7 @@ import torch
 from rlhf_lightning.models.build import build_policy
 from rlhf_lightning.records.sampling import SamplingParams
 from rlhf_lightning.records.trajectory import Trajectory, collate
-from rlhf_lightning.rollout.hf import HFEngine
+from rlhf_lightning.rollout.engines.hf import HFEngine
 
 
 def prompts(tokenizer, n=3):

@@ -10,7 +10,7 @@ from rlhf_lightning.models.adapters import ACTOR
 from rlhf_lightning.models.build import build_policy, load_model
 from rlhf_lightning.records.sampling import SamplingParams
 from rlhf_lightning.records.trajectory import Trajectory, collate
-from rlhf_lightning.rollout.hf import HFEngine
+from rlhf_lightning.rollout.engines.hf import HFEngine
 from tests.rollout.test_hf import prompts
 
 MEMBERS = (ACTOR, "member1", "member2")

@@ -9,7 +9,7 @@ from transformers import GenerationConfig
 
 from rlhf_lightning.models.build import build_policy, load_model
 from rlhf_lightning.records.sampling import SamplingParams
-from rlhf_lightning.rollout.hf import HFEngine
+from rlhf_lightning.rollout.engines.hf import HFEngine
 from tests.rollout.test_hf import prompts
 
 

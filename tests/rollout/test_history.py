@@ -15,8 +15,8 @@ from rlhf_lightning.envs.sudoku import SudokuEnv
 from rlhf_lightning.envs.tool_calc import ToolCalcEnv
 from rlhf_lightning.models.build import build_policy
 from rlhf_lightning.records.sampling import Completion, SamplingParams
-from rlhf_lightning.rollout.chat import ChatFormatter, check_template, latest_view
-from rlhf_lightning.rollout.harness import RolloutHarness
+from rlhf_lightning.rollout.episodes.chat import ChatFormatter, check_template, latest_view
+from rlhf_lightning.rollout.episodes.harness import RolloutHarness
 from tests.envs.test_multiturn import RandomEngine
 
 ENVS = {

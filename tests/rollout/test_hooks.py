@@ -9,7 +9,7 @@ import lightning as L
 
 from rlhf_lightning.algorithms.base import RolloutModule
 from rlhf_lightning.callbacks.progress import StepProgressBar
-from rlhf_lightning.rollout.callback import RolloutEngineCallback
+from rlhf_lightning.rollout.engines.callback import RolloutEngineCallback
 from rlhf_lightning.rollout.hooks import RolloutHooks, hook_callbacks
 
 

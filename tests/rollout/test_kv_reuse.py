@@ -12,9 +12,9 @@ from rlhf_lightning.envs.guess_number import GuessNumberEnv
 from rlhf_lightning.models.build import load_model, load_tokenizer
 from rlhf_lightning.models.tiny import ASSETS
 from rlhf_lightning.records.sampling import SamplingParams
-from rlhf_lightning.rollout.chat import ChatFormatter
-from rlhf_lightning.rollout.harness import RolloutHarness
-from rlhf_lightning.rollout.hf import HFEngine
+from rlhf_lightning.rollout.engines.hf import HFEngine
+from rlhf_lightning.rollout.episodes.chat import ChatFormatter
+from rlhf_lightning.rollout.episodes.harness import RolloutHarness
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,7 @@ def test_a_shared_prefix_runs_once_and_samples_as_left_padded_prompts(chat_model
         ).input_ids
         for t in texts
     ]
-    from rlhf_lightning.rollout.kv_reuse import prefill_shared
+    from rlhf_lightning.rollout.engines.kv_reuse import prefill_shared
 
     laid = prefill_shared(model, rows, tok.pad_token_id, "cpu")
     assert laid is not None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rlhf_lightning.records.sampling import SamplingParams
-from rlhf_lightning.rollout.harness import ChatFormatter, RolloutHarness
+from rlhf_lightning.rollout.episodes.harness import ChatFormatter, RolloutHarness
 from tests.envs.test_harness import ScriptedEngine
 
 

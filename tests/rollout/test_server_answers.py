@@ -1,4 +1,4 @@
-"""A server's answers are checked before they reach the update (``rollout/server_answers.py``,
+"""A server's answers are checked before they reach the update (``rollout/servers/answers.py``,
 ``server_client.py``'s transport), against a fake vLLM server on 127.0.0.1 that answers wrongly:
 every wrong answer ends in an error naming the server and the request, never in a raw
 AttributeError, IndexError or RecursionError, and never in bad ids or log-probs in a batch; an
@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from rlhf_lightning.records.sampling import SamplingParams
-from rlhf_lightning.rollout.server_answers import answer_limit
-from rlhf_lightning.rollout.server_client import BadAnswer, RequestPolicy, ServerError
-from rlhf_lightning.rollout.vllm_server import ServerSettings, VLLMServerEngine
+from rlhf_lightning.rollout.servers.answers import answer_limit
+from rlhf_lightning.rollout.servers.client import BadAnswer, RequestPolicy, ServerError
+from rlhf_lightning.rollout.servers.engine import ServerSettings, VLLMServerEngine
 from tests.rollout.fake_vllm import FakeVLLM, Handler
 
 VOCAB = 512

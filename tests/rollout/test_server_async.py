@@ -14,7 +14,7 @@ from rlhf_lightning.records.sampling import Completion, SamplingParams
 from rlhf_lightning.rollout.asynchronous.driver import AsyncDriver
 from rlhf_lightning.rollout.asynchronous.plan import AsyncSettings, BatchSource, batch_seed, call_seed
 from rlhf_lightning.rollout.asynchronous.servers import ServerRolloutsFailed, ServerTransport
-from rlhf_lightning.rollout.server_client import ServerError
+from rlhf_lightning.rollout.servers.client import ServerError
 from tests.algorithms.test_async_units import FakeHarness
 
 

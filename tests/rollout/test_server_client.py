@@ -1,4 +1,4 @@
-"""The HTTP client of one server (``rollout/server_client.py``) against a fake vLLM server on
+"""The HTTP client of one server (``rollout/servers/client.py``) against a fake vLLM server on
 127.0.0.1: a LoRA load or unload whose answer was lost and whose retry finds the work done is
 success (only then), and a server's death names what the run can resume from, as it exists."""
 
@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from rlhf_lightning.rollout.server_client import RequestPolicy, ServerClient, ServerRefused, resume_hint
+from rlhf_lightning.rollout.servers.client import RequestPolicy, ServerClient, ServerRefused, resume_hint
 from tests.conftest import compose_config
 from tests.rollout.fake_vllm import FakeVLLM
 

@@ -14,9 +14,9 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed: run `make inst
 
 from rlhf_lightning.models.build import build_policy, load_model  # noqa: E402
 from rlhf_lightning.records.trajectory import Trajectory, collate  # noqa: E402
-from rlhf_lightning.rollout.engine import SamplingParams  # noqa: E402
-from rlhf_lightning.rollout.hf import HFEngine  # noqa: E402
-from rlhf_lightning.rollout.vllm import VLLMEngine  # noqa: E402
+from rlhf_lightning.rollout.engines.base import SamplingParams  # noqa: E402
+from rlhf_lightning.rollout.engines.hf import HFEngine  # noqa: E402
+from rlhf_lightning.rollout.engines.vllm import VLLMEngine  # noqa: E402
 from tests.conftest import FAST, compose_config, fit_steps  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -130,7 +130,7 @@ def base_engine(tiny_path):
 @torch.no_grad()
 def hf_processed_logprobs(model, prompt, completion, params):
     """The HF engine's processing (its logits processors) of ``completion``, teacher-forced."""
-    from rlhf_lightning.rollout.hf import logits_processors
+    from rlhf_lightning.rollout.engines.hf import logits_processors
 
     seq = torch.tensor([prompt + completion])
     logits = model(input_ids=seq).logits[0].float()  # (L, V)
@@ -215,7 +215,7 @@ def test_sleep_level_2_with_lora_is_refused(tiny_path):
 
 
 def test_training_with_vllm_rollouts_and_a_multi_turn_env(tmp_path):
-    from rlhf_lightning.rollout.callback import RolloutEngineCallback
+    from rlhf_lightning.rollout.engines.callback import RolloutEngineCallback
 
     cb = RolloutEngineCallback()
     cfg = compose_config([*FAST, "rollout=vllm", "algo.lr=1e-2"], output_dir=tmp_path / "run")

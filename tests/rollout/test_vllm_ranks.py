@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from rlhf_lightning.rollout.callback import RolloutEngineCallback
-from rlhf_lightning.rollout.vllm import VLLMEngine
+from rlhf_lightning.rollout.engines.callback import RolloutEngineCallback
+from rlhf_lightning.rollout.engines.vllm import VLLMEngine
 
 
 def test_engine_takes_its_rank_from_the_trainer(tmp_path):

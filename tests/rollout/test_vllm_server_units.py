@@ -22,20 +22,20 @@ import torch
 
 from rlhf_lightning.config.errors import ConfigError
 from rlhf_lightning.records.sampling import SamplingParams
-from rlhf_lightning.rollout.server_answers import completions_of
-from rlhf_lightning.rollout.server_client import RequestPolicy, ServerClient, ServerError, resume_hint
-from rlhf_lightning.rollout.server_process import (
+from rlhf_lightning.rollout.servers.answers import completions_of
+from rlhf_lightning.rollout.servers.client import RequestPolicy, ServerClient, ServerError, resume_hint
+from rlhf_lightning.rollout.servers.engine import (
+    ServerSettings,
+    VLLMServerEngine,
+    request_body,
+    same_prompt_runs,
+)
+from rlhf_lightning.rollout.servers.process import (
     LaunchSpec,
     ServerStartError,
     server_command,
     server_env,
     wait_ready,
-)
-from rlhf_lightning.rollout.vllm_server import (
-    ServerSettings,
-    VLLMServerEngine,
-    request_body,
-    same_prompt_runs,
 )
 from rlhf_lightning.runtime.group_guard import group_members
 from tests.conftest import ROOT, compose_config

@@ -16,7 +16,7 @@ from rlhf_lightning.envs.files import read_rows
 from rlhf_lightning.envs.guess_number import GuessNumberEnv
 from rlhf_lightning.envs.tool_calc import ToolCalcEnv
 from rlhf_lightning.records.sampling import Completion, SamplingParams
-from rlhf_lightning.rollout.harness import ChatFormatter, RolloutHarness
+from rlhf_lightning.rollout.episodes.harness import ChatFormatter, RolloutHarness
 from tests.conftest import ROOT
 
 spec = importlib.util.spec_from_file_location(

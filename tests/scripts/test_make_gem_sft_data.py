@@ -15,7 +15,7 @@ from rlhf_lightning.data.offline import SFTDataset, encode_conversation
 from rlhf_lightning.envs.files import read_rows
 from rlhf_lightning.envs.gem import GemEnv
 from rlhf_lightning.records.sampling import Completion, SamplingParams
-from rlhf_lightning.rollout.harness import ChatFormatter, RolloutHarness
+from rlhf_lightning.rollout.episodes.harness import ChatFormatter, RolloutHarness
 from tests.conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))

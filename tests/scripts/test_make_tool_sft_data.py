@@ -17,8 +17,8 @@ from rlhf_lightning.config import ASSETS
 from rlhf_lightning.data.offline import encode_conversation
 from rlhf_lightning.envs.tool_tasks import CalculatorToolEnv, calc_problem
 from rlhf_lightning.records.sampling import Completion, SamplingParams
-from rlhf_lightning.rollout.chat import env_tools
-from rlhf_lightning.rollout.harness import ChatFormatter, RolloutHarness
+from rlhf_lightning.rollout.episodes.chat import env_tools
+from rlhf_lightning.rollout.episodes.harness import ChatFormatter, RolloutHarness
 from tests.conftest import ROOT
 
 spec = importlib.util.spec_from_file_location(

@@ -24,19 +24,18 @@ Deadlines: the adapter's own, not a worker process. A live WebSocket session can
 into a step worker (``env.step_workers=process``) and back, so env=openenv steps on threads
 (``env.step_workers=thread``, ``env.concurrency`` at once; ``conf/env/openenv.yaml``) and bounds
 every call itself: connecting, ``reset`` and ``step`` each run on one event loop thread under
-``env.kwargs.timeout_s``; past it the call is cancelled, its session closed (nothing of it keeps
+``env.step_timeout_s`` (the adapter's ``timeout_s``); past it the call is cancelled, its session closed (nothing of it keeps
 running in the trainer; the server ends the session), and the step fails with
 :class:`~rlhf_lightning.envs.openenv.endpoint.OpenEnvTimeout` (a step timeout:
 ``env.on_reward_error`` decides), naming the env and the call. This also bounds ``reset``, which
-the harness runs outside any worker. ``env.step_timeout_s`` stays null (refused with env=openenv).
+the harness runs outside any worker; the harness's own step deadline (worker processes) is off.
 
 Servers. ``env.kwargs.url``: a server someone started (it must answer ``/health`` at start-up).
 ``env.kwargs.app``: the run starts ``uvicorn <app>`` on 127.0.0.1 and a free port, its log in
 ``<run>/servers/openenv-<i>.log``, waits for ``/health`` (``env.kwargs.start_timeout_s``), and stops
-it when the process exits (``train.py``: with the run), when the run's env factory is garbage
-collected, or at :func:`stop_servers`; it dies with the trainer on ``kill -9``
-(:mod:`~rlhf_lightning.runtime.local_server`). (The run's end does not reach env factories:
-``RolloutHarness.close`` stops only the step workers.) A server that dies mid-run ends the run naming it,
+it when the process exits (``RolloutHarness.close``, with the run), when the run's env factory is
+garbage collected, at exit, or at :func:`stop_servers`; it dies with the trainer on ``kill -9``
+(:mod:`~rlhf_lightning.runtime.local_server`). A server that dies mid-run ends the run naming it,
 its log and the checkpoint to resume from
 (:class:`~rlhf_lightning.envs.openenv.endpoint.EnvServerGone`).
 
@@ -189,7 +188,7 @@ class OpenEnvEnv:
         self.client: Any = None
         self._session: weakref.finalize | None = None
         self._turn = self._calls = 0
-        if schemas is not None:  # read by the chat formatter (rollout.chat.env_tools)
+        if schemas is not None:  # read by the chat formatter (rollout.episodes.chat.env_tools)
             from rlhf_lightning.envs.tool_parsers import get_tool_parser
 
             self.parse = get_tool_parser(s.parser)
@@ -316,14 +315,17 @@ class OpenEnvEnv:
     def __getstate__(self) -> Any:
         raise TypeError(
             "OpenEnvEnv holds a live WebSocket session, which cannot travel to a step worker process: "
-            "env=openenv steps on threads (env.step_workers=thread, env.step_timeout_s=null, as "
-            "conf/env/openenv.yaml sets) and bounds every call itself with env.kwargs.timeout_s"
+            "env=openenv steps on threads (env.step_workers=thread, as conf/env/openenv.yaml sets) "
+            "and bounds every call itself with env.step_timeout_s"
         )
 
 
 class OpenEnvFactory:
     """Fresh :class:`OpenEnvEnv` s sharing one server and one check of the settings; the server
-    stops when the factory is released or :meth:`close`\\ d (and at exit)."""
+    stops when the factory is released or :meth:`close`\\ d (and at exit). It bounds every call
+    itself (``timeout_s``), so the harness runs no step deadline of its own."""
+
+    bounds_its_calls = True
 
     def __init__(self, **kwargs: Any) -> None:
         self.prototype = OpenEnvEnv(**kwargs)

@@ -4,7 +4,7 @@ An :class:`Endpoint` is either a server someone started (``env.kwargs.url``: che
 ``/health`` at start-up) or one this process starts (``env.kwargs.app``: uvicorn on 127.0.0.1
 and a free port, under :class:`~rlhf_lightning.runtime.local_server.LocalServer`, its log in
 ``<run>/servers/openenv-<i>.log``). Client calls run on one event loop thread per process
-(:func:`call`), each under ``env.kwargs.timeout_s``: past it the call is cancelled (nothing of it
+(:func:`call`), each under ``env.step_timeout_s``: past it the call is cancelled (nothing of it
 keeps running here) and :class:`OpenEnvTimeout` is raised. A call that fails because the server
 is gone raises :class:`EnvServerGone` naming the server, its log and what the run can resume from.
 """
@@ -47,7 +47,7 @@ _LIVE: weakref.WeakSet[Endpoint] = weakref.WeakSet()  # stopped at exit (kill -9
 
 
 class OpenEnvTimeout(CallTimeout):
-    """A call to the env server did not return within ``env.kwargs.timeout_s`` (it was cancelled
+    """A call to the env server did not return within ``env.step_timeout_s`` (it was cancelled
     and the episode's session closed). The harness treats it as a step timeout
     (``env.on_reward_error``)."""
 
@@ -75,7 +75,7 @@ def call(coro: Coroutine[Any, Any, Any], timeout_s: float, what: str) -> Any:
         return future.result(timeout_s + 5.0)  # wait_for ends it at timeout_s; this is a backstop
     except (TimeoutError, asyncio.TimeoutError, concurrent.futures.TimeoutError):
         future.cancel()
-        raise OpenEnvTimeout(f"{what} did not return within {timeout_s:g} s (env.kwargs.timeout_s)") from None
+        raise OpenEnvTimeout(f"{what} did not return within {timeout_s:g} s (env.step_timeout_s)") from None
 
 
 def fire_and_forget(coro: Coroutine[Any, Any, Any]) -> None:

@@ -26,7 +26,7 @@ import torch
 
 from rlhf_lightning.records.result import RolloutResult
 from rlhf_lightning.records.sampling import Completion, SamplingParams
-from rlhf_lightning.rollout.kv_reuse import TurnCache
+from rlhf_lightning.rollout.engines.kv_reuse import TurnCache
 
 Weights = dict[str, torch.Tensor]
 POLL_S = 0.5  # how often a wait looks up (the other side's liveness)

@@ -4,7 +4,7 @@ rollout=vllm_server``).
 Generation runs on the servers, the episodes (env steps, chat formatting) on one thread of the
 trainer, which works through the driver's requests in order while the trainer updates. No copy
 of the model, no pickled batches: versions are published straight from the trainer's policy as
-directories the servers load (:class:`~rlhf_lightning.rollout.vllm_server.VLLMServerEngine`),
+directories the servers load (:class:`~rlhf_lightning.rollout.servers.engine.VLLMServerEngine`),
 several held at once with LoRA, and a checkpoint keeps their files. Each batch has its own seed
 (each generate call its own, from the batch's); the ratio's behaviour log-probs are the
 servers' (the generating version's). In lockstep (``K = 0``) a request runs at once in the
@@ -34,8 +34,8 @@ from rlhf_lightning.rollout.asynchronous.plan import (
     chooser,
     run_request,
 )
-from rlhf_lightning.rollout.harness import RolloutHarness
-from rlhf_lightning.rollout.vllm_server import VLLMServerEngine
+from rlhf_lightning.rollout.episodes.harness import RolloutHarness
+from rlhf_lightning.rollout.servers.engine import VLLMServerEngine
 
 
 class ServerRolloutsFailed(ProducerFailed):

@@ -22,9 +22,9 @@ from rlhf_lightning.records.result import RolloutResult
 from rlhf_lightning.records.sampling import Completion, SamplingParams
 from rlhf_lightning.records.trajectory import Trajectory, collate
 from rlhf_lightning.rewards import CombinedReward, reward_value
-from rlhf_lightning.rollout.chat import ChatFormatter, latest_view, observation_problem
-from rlhf_lightning.rollout.engine import AdapterSampler, Sampler
-from rlhf_lightning.rollout.stepping import EnvStepper, StepOutcome, StepTimeout, check_step_output
+from rlhf_lightning.rollout.engines.base import AdapterSampler, Sampler
+from rlhf_lightning.rollout.episodes.chat import ChatFormatter, latest_view, observation_problem
+from rlhf_lightning.rollout.episodes.stepping import EnvStepper, StepOutcome, StepTimeout, check_step_output
 
 __all__ = [
     "SUCCESS_KEYS",
@@ -164,7 +164,7 @@ class RolloutHarness:
         Training episodes are then scored by ``reward`` (reward models run on ``device``).
 
         One call may sample several LoRA adapters of one base (a population's members, with an
-        :class:`~rlhf_lightning.rollout.engine.AdapterSampler`): ``adapters[i]`` samples row i's
+        :class:`~rlhf_lightning.rollout.engines.base.AdapterSampler`): ``adapters[i]`` samples row i's
         episodes (each trajectory records it), ``group_sizes[i]`` of them (``group_size`` if None).
 
         A row whose prompt leaves no room for ``params.max_new_tokens`` within ``max_model_len``
@@ -183,7 +183,7 @@ class RolloutHarness:
         envs, trajs, dropped = self._start_episodes(groups, rendered, token_ids, params, adapters)
         self._check_dropped(dropped, len(rows), bool(trajs), params.max_new_tokens)
         # history=full: a turn's prompt continues the last one, so an engine may keep its KV cache
-        # (an engine offers it as ``turn_session()``, :meth:`~rlhf_lightning.rollout.hf.HFEngine.turn_session`)
+        # (an engine offers it as ``turn_session()``, :meth:`~rlhf_lightning.rollout.engines.hf.HFEngine.turn_session`)
         session = (
             getattr(engine, "turn_session", None) if self.history == "full" and self.max_turns > 1 else None
         )
@@ -423,6 +423,14 @@ class RolloutHarness:
     def close(self) -> None:
         """Stop the stepper's worker processes and threads (a later rollout starts new ones)."""
         self.stepper.close()
+
+    def shutdown(self) -> None:
+        """The run's end: :meth:`close`, and what the env factory holds when it has a ``close``
+        (env=openenv: the server the run started; no rollout can follow)."""
+        self.close()
+        close = getattr(self.env_factory, "close", None)
+        if callable(close):
+            close()
 
     @staticmethod
     def _metrics(trajs: list[Trajectory]) -> dict[str, float]:

@@ -17,7 +17,7 @@ import math
 from typing import Any
 
 from rlhf_lightning.records.sampling import Completion
-from rlhf_lightning.rollout.server_client import BadAnswer, ServerClient
+from rlhf_lightning.rollout.servers.client import BadAnswer, ServerClient
 
 # A completion's answer: the choices' text, tokens, log-probs and offsets take well under 1 KiB
 # a generated token (vLLM also returns the prompt's ids per choice: 16 bytes a prompt token).

@@ -1,6 +1,6 @@
 """Rollouts on vLLM inference servers (``rollout=vllm_server``): the run's generation goes over
 HTTP to one or more vLLM OpenAI-compatible servers, started by the run
-(:mod:`~rlhf_lightning.rollout.server_process`) or by someone else (``rollout.servers``: URLs).
+(:mod:`~rlhf_lightning.rollout.servers.process`) or by someone else (``rollout.servers``: URLs).
 
 Token ids in, token ids and the sampled tokens' log-probs out (``/v1/completions`` with a
 token-id prompt, ``logprobs=0`` and ``return_token_ids``), so trajectories stay token-exact and
@@ -12,7 +12,7 @@ which draws the same. Up to ``rollout.max_concurrency`` requests are in flight p
 call's requests split into one contiguous share per server.
 
 Weights by version: :meth:`VLLMServerEngine.publish` writes the trainable weights as a directory
-the servers read (:mod:`~rlhf_lightning.rollout.server_weights`); :meth:`~VLLMServerEngine.use`
+the servers read (:mod:`~rlhf_lightning.rollout.servers.weights`); :meth:`~VLLMServerEngine.use`
 makes a published version the one requests sample: with LoRA the adapter is loaded under a name
 of its own (runtime LoRA loading) and requests name it, so several versions can be held at once
 (asynchronous rollouts) and a version is never confused with another in the prefix cache; with
@@ -37,10 +37,11 @@ from typing import Any
 import torch
 
 from rlhf_lightning.records.sampling import Completion, SamplingParams
-from rlhf_lightning.rollout.server_answers import answer_limit, check_processed_logprobs, completions_of
-from rlhf_lightning.rollout.server_client import RequestPolicy, ServerClient, ServerError, resume_hint
-from rlhf_lightning.rollout.server_process import LaunchSpec, ServerProcess, launch
-from rlhf_lightning.rollout.server_weights import VersionFiles
+from rlhf_lightning.rollout.servers.answers import answer_limit, check_processed_logprobs, completions_of
+from rlhf_lightning.rollout.servers.client import RequestPolicy, ServerClient, ServerError
+from rlhf_lightning.rollout.servers.process import LaunchSpec, ServerProcess, launch
+from rlhf_lightning.rollout.servers.weights import VersionFiles
+from rlhf_lightning.runtime.local_server import resume_hint
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ class Published:
 
 
 class VLLMServerEngine:
-    """A :class:`~rlhf_lightning.rollout.engine.RolloutEngine` whose generation runs on vLLM
+    """A :class:`~rlhf_lightning.rollout.engines.base.RolloutEngine` whose generation runs on vLLM
     servers (see the module docstring). It connects, or starts its servers, at the first call
     that needs them; ``shutdown`` stops the servers it started and unloads its adapters from
     the others."""

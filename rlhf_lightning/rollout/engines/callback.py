@@ -18,7 +18,7 @@ import lightning as L
 import torch
 
 from rlhf_lightning.models.sharding import gathered
-from rlhf_lightning.rollout.engine import RolloutEngine
+from rlhf_lightning.rollout.engines.base import RolloutEngine
 from rlhf_lightning.rollout.hooks import RolloutHooks
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ class EngineOwner(Protocol):
 
 
 class RolloutEngineCallback(RolloutHooks, L.Callback):
-    """Drives ``pl_module.engine`` (any :class:`~rlhf_lightning.rollout.engine.RolloutEngine` with
+    """Drives ``pl_module.engine`` (any :class:`~rlhf_lightning.rollout.engines.base.RolloutEngine` with
     ``bind_rank``/``wake``/``sleep``/``ensure_synced``/``shutdown``; the HF engine's are no-ops).
 
     Args:

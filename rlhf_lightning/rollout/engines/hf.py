@@ -30,8 +30,8 @@ from transformers.generation import (
 from rlhf_lightning.models.mixed_lora import grouped_mixed_batches
 from rlhf_lightning.models.prompt_sharing import cache_kwarg, output_cache
 from rlhf_lightning.records.sampling import Completion, SamplingParams
-from rlhf_lightning.rollout.engine import EngineBase
-from rlhf_lightning.rollout.kv_reuse import TurnCache, prefill_shared
+from rlhf_lightning.rollout.engines.base import EngineBase
+from rlhf_lightning.rollout.engines.kv_reuse import TurnCache, prefill_shared
 
 
 class HFEngine(EngineBase):
@@ -50,7 +50,7 @@ class HFEngine(EngineBase):
             when stop strings are used.
         reuse_turn_cache: inside :meth:`turn_session`, a call that continues the previous call's rows
             (the next turn of the same episodes) runs only their new tokens on the previous
-            call's KV cache (:mod:`~rlhf_lightning.rollout.kv_reuse`).
+            call's KV cache (:mod:`~rlhf_lightning.rollout.engines.kv_reuse`).
     """
 
     def __init__(

@@ -23,8 +23,9 @@ import time
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
+
+from rlhf_lightning.runtime.local_server import resume_hint
 
 SMALL_ANSWER_BYTES = 1 << 20  # every answer but a completion's (those: answer_limit)
 
@@ -67,21 +68,6 @@ class _Status(Exception):
 
 def _gone_never() -> str | None:
     return None
-
-
-def resume_hint(checkpoint_dir: str | Path | None) -> str:
-    """What a run stopped by a server's death can resume from: its ``last.ckpt`` (or newest step
-    checkpoint), or that it has none yet."""
-    if checkpoint_dir is not None:
-        ckpts = Path(checkpoint_dir)
-        last = ckpts / "last.ckpt"
-        found = [last] if last.is_file() else sorted(ckpts.glob("*.ckpt"), key=lambda p: p.stat().st_mtime)
-        if found:
-            return f"Resume with resume=true output_dir={ckpts.parent}: it continues from {found[-1]}"
-    return (
-        "The run has no checkpoint to resume from yet (checkpoint.every_n_steps sets how often one "
-        "is written): run it again"
-    )
 
 
 class ServerClient:

@@ -1,0 +1,1 @@
+"""Rollout engines: HF generate, colocated vLLM, and the callback that wakes it."""

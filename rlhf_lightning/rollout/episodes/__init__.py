@@ -1,0 +1,1 @@
+"""Episodes: the harness that drives envs, chat/turn assembly, stepping in workers."""
