@@ -14,11 +14,13 @@ from typing import Any, cast
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from rlhf_lightning.envs.agent import AgentEnv
 from rlhf_lightning.envs.factory import env_factory, split_sizes
 from rlhf_lightning.models.build import build_policy, load_model, load_tokenizer
 from rlhf_lightning.models.policy import Policy
 from rlhf_lightning.records.sampling import SamplingParams
 from rlhf_lightning.rewards import CombinedReward, build_reward
+from rlhf_lightning.rollout.agents.runner import AgentRunner
 from rlhf_lightning.rollout.asynchronous.plan import Placement
 from rlhf_lightning.rollout.engines.hf import HFEngine
 from rlhf_lightning.rollout.episodes.chat import ChatFormatter, check_template, env_tools
@@ -45,6 +47,19 @@ def harness_from(cfg: DictConfig, tokenizer: Any, online: bool) -> tuple[Rollout
     on rollouts), and the sizes of its train and eval splits."""
     e = cfg.env
     factory = env_factory(e._target_, cast(dict[str, Any], OmegaConf.to_container(e.kwargs, resolve=True)))
+    if isinstance(factory, AgentEnv):  # env=agent: the agents drive the episodes
+        runner = AgentRunner(
+            factory,
+            tokenizer,
+            ChatFormatter(tokenizer, e.system_prompt, e.apply_chat_template),
+            max_model_len=e.max_model_len,
+            concurrency=e.concurrency,
+            step_timeout_s=e.step_timeout_s,
+            on_reward_error=e.on_reward_error,
+            parser=cfg.rollout.tool_parser,
+            reward=training_reward(cfg.reward) if online else None,
+        )
+        return cast(RolloutHarness, runner), *split_sizes(factory, e.train_size, e.eval_size)
     train_rows, eval_rows = split_sizes(factory, e.train_size, e.eval_size)
     formatter = ChatFormatter(tokenizer, e.system_prompt, e.apply_chat_template, tools=env_tools(factory))
     check_template(formatter, multi_turn=e.max_turns > 1, history=e.history)
