@@ -58,13 +58,15 @@ def runner_for(parts, agent, **kw):
 def test_recorded_calls_are_what_the_engine_generated_and_the_row_is_their_concatenation(parts):
     runner, engine = runner_for(parts, "solve")
     try:
-        result = runner.rollout(engine, [0, 1], PARAMS, group_size=2)
+        result = runner.rollout(engine, [0, 1], PARAMS, group_size=2, version=lambda: 5)
+        plain = runner.rollout(engine, [2], PARAMS, group_size=1)  # no version: the current weights
     finally:
         runner.shutdown()
+    assert plain.trajectories[0].turn_versions == []
     generated = {tuple(c.token_ids) for _, out in engine.seen for c in out}
     assert len(result.trajectories) == 4 and result.metrics["env/reward_errors"] == 0
     for t in result.trajectories:
-        assert t.num_turns == 2 and len(t.turn_versions) == 2
+        assert t.num_turns == 2 and t.turn_versions == [5, 5]
         pieces = [[tok for tok, turn in zip(t.token_ids, t.action_turn) if turn == k] for k in range(2)]
         assert all(tuple(p) in generated for p in pieces)  # byte for byte the engine's ids
         assert t.segment_starts == [0]  # the second prompt extends the first call: one sequence
