@@ -73,6 +73,29 @@ def check_sections(cfg: DictConfig) -> None:
     check_model_fit(cfg)
     check_monitor(cfg)
     check_openenv(cfg.env)
+    check_agent(cfg)
+
+
+AGENT_TARGET = "rlhf_lightning.envs.agent.AgentEnv"
+
+
+def check_agent(cfg: DictConfig) -> None:
+    """``env=agent``: what it does not support yet is refused before the model loads."""
+    if cfg.env.get("_target_") != AGENT_TARGET:
+        return
+    check(
+        cfg.rollout.mode == "sync",
+        "rollout.mode",
+        cfg.rollout.mode,
+        "sync with env=agent (asynchronous rollouts do not record each agent call's version yet)",
+    )
+    population = cfg.get("population") or {}
+    check(
+        int(population.get("size", 1) or 1) <= 1 or not population.get("batched", False),
+        "population.batched",
+        population.get("batched"),
+        "false with env=agent (its members are not sampled side by side in one engine call)",
+    )
 
 
 OPENENV_TARGET = "rlhf_lightning.envs.openenv.OpenEnvEnv"

@@ -71,3 +71,18 @@ def test_held_out_tasks_are_not_training_tasks():
     assert env.num_rows(True) == 200 and env.num_rows(False) == 1800
     assert not train & {t["question"] for t in held}  # every question is distinct in the file
     assert all(str(t["gold"]) == t["answer"] for t in held)
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (["rollout.mode=async"], "rollout.mode"),
+        (["population.size=2", "population.batched=true"], "population.batched"),
+    ],
+)
+def test_what_env_agent_does_not_support_yet_is_refused_early(overrides, field):
+    from rlhf_lightning.run.validation import validate
+
+    cfg = compose_config([*AGENT, *overrides])
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        validate(cfg)
