@@ -27,7 +27,7 @@ from rlhf_lightning.envs.agent import AgentEnv, run_agent
 from rlhf_lightning.records.result import RolloutResult
 from rlhf_lightning.records.sampling import SamplingParams
 from rlhf_lightning.records.trajectory import Trajectory, collate
-from rlhf_lightning.rollout.agents.assembly import Call, assemble, trajectory
+from rlhf_lightning.rollout.agents.assembly import Call, trajectory
 from rlhf_lightning.rollout.agents.endpoint import PolicyEndpoint
 from rlhf_lightning.runtime.workers import Outcome, WorkerPool
 
@@ -140,9 +140,9 @@ class AgentRunner:
             traj.infos = [{**infos, "agent_error": failure is not None}]
             if version is None:
                 traj.turn_versions = []
-            a = assemble(calls) if calls else None
-            if a is not None:
-                extended, restarted = extended + a.extended, restarted + a.restarted
+            if calls:  # each call after the first extended its sequence or opened one
+                restarted += len(traj.segment_starts) - 1
+                extended += len(calls) - len(traj.segment_starts)
             trajs.append(traj)
         metrics = self._metrics(trajs)
         if self.reward is not None and not evaluation:
