@@ -76,12 +76,13 @@ def check_sections(cfg: DictConfig) -> None:
     check_agent(cfg)
 
 
-AGENT_TARGET = "rlhf_lightning.envs.agent.AgentEnv"
+AGENT_TARGETS = ("rlhf_lightning.envs.agent.AgentEnv", "rlhf_lightning.envs.verifiers.VerifiersEnv")
 
 
 def check_agent(cfg: DictConfig) -> None:
-    """``env=agent``: what it does not support yet is refused before the model loads."""
-    if cfg.env.get("_target_") != AGENT_TARGET:
+    """``env=agent`` (and ``env=verifiers``, played the same way): what it does not support yet is
+    refused before the model loads."""
+    if cfg.env.get("_target_") not in AGENT_TARGETS:
         return
     check(
         cfg.rollout.mode == "sync",

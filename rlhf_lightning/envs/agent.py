@@ -118,6 +118,14 @@ class AgentEnv:
         self.agent, self.other_calls = agent, other_calls
         self.tasks = DatasetEnv(**dict(data))
 
+    def worker_call(
+        self, base_url: str, task: dict[str, Any], timeout_s: float | None
+    ) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        """What a worker process runs for one episode: a picklable function and its arguments,
+        returning ``(reward, infos)`` (:func:`check_result`'s form). Subclasses that play episodes
+        another way (``env=verifiers``) override it."""
+        return run_agent, (self.agent, base_url, task, timeout_s)
+
     def num_rows(self, evaluation: bool) -> int:
         return self.tasks.num_rows(evaluation)
 

@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from rlhf_lightning.envs.agent import AgentEnv, run_agent
+from rlhf_lightning.envs.agent import AgentEnv
 from rlhf_lightning.records.result import RolloutResult
 from rlhf_lightning.records.sampling import SamplingParams
 from rlhf_lightning.records.trajectory import Trajectory, collate
@@ -163,9 +163,8 @@ class AgentRunner:
 
     def _play(self, base_url: str, task: dict[str, Any]) -> Outcome:
         assert self.pool is not None
-        return self.pool.call(
-            run_agent, (self.env.agent, base_url, task, self.step_timeout_s), timeout_s=self.step_timeout_s
-        )
+        fn, args = self.env.worker_call(base_url, task, self.step_timeout_s)
+        return self.pool.call(fn, args, timeout_s=self.step_timeout_s)
 
     @staticmethod
     def _failure(outcome: Outcome, calls: list[Call]) -> str | None:
