@@ -102,11 +102,22 @@ class AgentEnv:
         other_calls: ``train`` (default): calls the agent makes for other purposes (a first
             message unlike its conversation's, e.g. a summariser) are trained on too, as they
             shaped the episode; ``exclude``: served and counted, not trained on.
+        batching: how the endpoint batches the agents' calls into engine calls. ``rounds``
+            (default): once every running episode has a call waiting, all of them, in a fixed
+            order: the engine sees the same batches whatever the timing, so a run repeats exactly
+            and lockstep asynchronous rollouts equal synchronous ones; an agent that works long
+            between calls (a slow tool) holds its round. ``window``: the calls that arrive within
+            a few milliseconds of the first: agents of uneven pace wait less, but the batches (so
+            the samples) depend on timing.
     """
 
-    def __init__(self, agent: str, data: dict[str, Any], other_calls: str = "train") -> None:
+    def __init__(
+        self, agent: str, data: dict[str, Any], other_calls: str = "train", batching: str = "rounds"
+    ) -> None:
         if other_calls not in ("train", "exclude"):
             raise ConfigError("env.kwargs.other_calls", other_calls, "train or exclude")
+        if batching not in ("rounds", "window"):
+            raise ConfigError("env.kwargs.batching", batching, "rounds or window")
         for needed in ("openai", "aiohttp"):
             if importlib.util.find_spec(needed) is None:
                 raise ConfigError(
@@ -115,7 +126,7 @@ class AgentEnv:
                     f'the agent extra installed: pip install -e ".[agent]" ({needed} is missing)',
                 )
         load_agent(agent)  # a bad path fails before any model loads
-        self.agent, self.other_calls = agent, other_calls
+        self.agent, self.other_calls, self.batching = agent, other_calls, batching
         self.tasks = DatasetEnv(**dict(data))
 
     def worker_call(

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import json
 import logging
 import queue
@@ -52,6 +53,7 @@ class Pending:
     prompt_ids: list[int]
     ask: api.Ask
     main_key: str  # the conversation's first message (another purpose's calls differ)
+    seq: int = 0  # arrival order (ties within one episode's round)
     done: concurrent.futures.Future[list[Completion]] = field(default_factory=concurrent.futures.Future)
 
 
@@ -95,6 +97,10 @@ class PolicyEndpoint:
         self.episodes: dict[str, EpisodeRecord] = {}
         self.engine_calls = 0  # batched engine calls made (tests count them)
         self.overridden = 0  # requests whose temperature/top_p differed from the run's
+        self._held: list[Pending] = []  # requests of the round being gathered (``live``)
+        self._order: dict[str, int] = {}  # each open episode's place, in the order opened
+        self._seq = itertools.count()
+        self._arrivals = itertools.count()
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -160,34 +166,36 @@ class PolicyEndpoint:
         """Start recording under ``episode``; its base URL."""
         with self._lock:
             self.episodes[episode] = EpisodeRecord()
+            self._order[episode] = next(self._seq)
         return self.base_url(episode)
 
     def close_episode(self, episode: str) -> EpisodeRecord:
         """Stop serving ``episode`` (later calls are ``404``); its record."""
         with self._lock:
+            self._order.pop(episode, None)
             return self.episodes.pop(episode, EpisodeRecord())
 
     # ---------------------------------------------------------------- the engine's side
     def serve(
-        self, engine: Any, params: SamplingParams, version: Callable[[], int], wait_s: float = 0.05
+        self,
+        engine: Any,
+        params: SamplingParams,
+        version: Callable[[], int],
+        wait_s: float = 0.05,
+        live: int | None = None,
     ) -> int:
-        """Generate what is waiting (for up to ``wait_s`` for a first request): the requests that
-        arrive within ``gather_s`` of the first, one engine call per kind. Returns the requests
-        served. Call from the thread that owns ``engine``."""
-        try:
-            first = self.pending.get(timeout=wait_s)
-        except queue.Empty:
+        """Generate what is waiting, one engine call per kind of request. Returns the requests
+        served (0 when nothing was ready within ``wait_s``). Call from the thread that owns
+        ``engine``.
+
+        ``live=None`` (``window``): the requests that arrive within ``gather_s`` of the first.
+        ``live=n`` (``rounds``): only once ``n`` episodes have a request waiting (the episodes still
+        running, which the caller counts), all of them, in the order the episodes were opened, so
+        the engine sees the same batches in the same order whatever the timing: a run repeats
+        exactly, and lockstep asynchronous rollouts sample what the synchronous run samples."""
+        batch = self._gather(wait_s) if live is None else self._round(wait_s, live)
+        if not batch:
             return 0
-        batch = [first]
-        deadline = time.monotonic() + self.gather_s
-        while len(batch) < self.max_batch:
-            left = deadline - time.monotonic()
-            try:
-                batch.append(
-                    self.pending.get(timeout=max(left, 0.0)) if left > 0 else self.pending.get_nowait()
-                )
-            except queue.Empty:
-                break
         kinds: dict[tuple[int, tuple[str, ...], int], list[Pending]] = {}
         for p in batch:
             cap = min(p.ask.max_tokens or params.max_new_tokens, params.max_new_tokens)
@@ -207,6 +215,39 @@ class PolicyEndpoint:
                 self._record(p, mine, v)
                 p.done.set_result(mine)
         return len(batch)
+
+    def _gather(self, wait_s: float) -> list[Pending]:
+        try:
+            first = self.pending.get(timeout=wait_s)
+        except queue.Empty:
+            return []
+        batch = [first]
+        deadline = time.monotonic() + self.gather_s
+        while len(batch) < self.max_batch:
+            left = deadline - time.monotonic()
+            try:
+                batch.append(
+                    self.pending.get(timeout=max(left, 0.0)) if left > 0 else self.pending.get_nowait()
+                )
+            except queue.Empty:
+                break
+        return batch
+
+    def _round(self, wait_s: float, live: int) -> list[Pending]:
+        deadline = time.monotonic() + wait_s
+        while True:
+            waiting = {p.episode for p in self._held}
+            if self._held and len(waiting) >= live:
+                batch = sorted(self._held, key=lambda p: (self._order.get(p.episode, -1), p.seq))
+                self._held = []
+                return batch
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return []
+            try:
+                self._held.append(self.pending.get(timeout=left))
+            except queue.Empty:
+                return []
 
     def _record(self, p: Pending, completions: list[Completion], version: int) -> None:
         with self._lock:
@@ -233,6 +274,9 @@ class PolicyEndpoint:
         self._fail_pending(ConnectionAbortedError("its episode ended"))
 
     def _fail_pending(self, err: BaseException) -> None:
+        held, self._held = self._held, []
+        for p in held:
+            p.done.set_exception(err)
         while True:
             try:
                 p = self.pending.get_nowait()
@@ -309,7 +353,7 @@ class PolicyEndpoint:
             return web.json_response(err.body(), status=400)
         if ask.temperature is not None or ask.top_p is not None:
             self.overridden += 1
-        pending = Pending(episode, prompt_ids, ask, main_key)
+        pending = Pending(episode, prompt_ids, ask, main_key, next(self._arrivals))
         self.pending.put(pending)
         try:
             completions = await asyncio.wrap_future(pending.done)

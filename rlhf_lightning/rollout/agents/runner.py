@@ -117,7 +117,8 @@ class AgentRunner:
             while running:
                 if progress is not None:
                     progress(f"rollout: {len(running)} of {len(futures)} agent episodes running")
-                self.endpoint.serve(engine, params, version or (lambda: -1))
+                live = min(self.concurrency, len(running)) if self.env.batching == "rounds" else None
+                self.endpoint.serve(engine, params, version or (lambda: -1), live=live)
                 running = {f for f in running if not f.done()}
         self.endpoint.drop_pending()
         trajs: list[Trajectory] = []
