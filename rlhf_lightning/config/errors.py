@@ -13,7 +13,7 @@ class ConfigError(ValueError):
     """An invalid config value: ``field=value``, and what is allowed."""
 
     def __init__(self, field: str, value: Any, allowed: str) -> None:
-        self.field, self.value = field, value
+        self.field, self.value, self.allowed = field, value, allowed
         shown = value.value if isinstance(value, Enum) else value  # a closed choice as its string
         super().__init__(f"invalid config: {field}={shown!r}: {allowed}")
 

@@ -84,12 +84,6 @@ def check_agent(cfg: DictConfig) -> None:
     refused before the model loads."""
     if cfg.env.get("_target_") not in AGENT_TARGETS:
         return
-    check(
-        cfg.rollout.mode == "sync",
-        "rollout.mode",
-        cfg.rollout.mode,
-        "sync with env=agent (asynchronous rollouts do not record each agent call's version yet)",
-    )
     population = cfg.get("population") or {}
     check(
         int(population.get("size", 1) or 1) <= 1 or not population.get("batched", False),

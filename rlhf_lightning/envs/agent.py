@@ -127,7 +127,11 @@ class AgentEnv:
                 )
         load_agent(agent)  # a bad path fails before any model loads
         self.agent, self.other_calls, self.batching = agent, other_calls, batching
-        self.tasks = DatasetEnv(**dict(data))
+        try:
+            self.tasks = DatasetEnv(**dict(data))
+        except ConfigError as err:  # the dataset env's fields live under env.kwargs.data here
+            field = err.field.replace("env.kwargs.", "env.kwargs.data.", 1)
+            raise ConfigError(field, err.value, err.allowed) from None
 
     def worker_call(
         self, base_url: str, task: dict[str, Any], timeout_s: float | None

@@ -76,7 +76,6 @@ def test_held_out_tasks_are_not_training_tasks():
 @pytest.mark.parametrize(
     "overrides, field",
     [
-        (["rollout.mode=async"], "rollout.mode"),
         (["population.size=2", "population.batched=true"], "population.batched"),
     ],
 )
@@ -86,3 +85,10 @@ def test_what_env_agent_does_not_support_yet_is_refused_early(overrides, field):
     cfg = compose_config([*AGENT, *overrides])
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         validate(cfg)
+
+
+def test_a_bad_task_file_is_named_under_env_kwargs_data():
+    from rlhf_lightning.envs.agent import AgentEnv
+
+    with pytest.raises(ConfigError, match=r"env\.kwargs\.data\.path='nowhere\.jsonl': an existing file"):
+        AgentEnv("examples.agent_calc.agent:solve", {"path": "nowhere.jsonl", "scorer": "integer"})

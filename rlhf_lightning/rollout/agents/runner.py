@@ -76,6 +76,7 @@ class AgentRunner:
         self.max_model_len, self.concurrency = max_model_len, max(1, concurrency)
         self.step_timeout_s, self.on_reward_error, self.reward = step_timeout_s, on_reward_error, reward
         self.max_turns = 1  # calls are counted as turns per episode; the harness's cap does not apply
+        self.records_call_versions = True  # each call records the version that served it (rollout(version=))
         self.history = "agent"
         self.endpoint = PolicyEndpoint(tokenizer, max_model_len=max_model_len, parser=parser, host=host)
         self.pool: WorkerPool | None = None

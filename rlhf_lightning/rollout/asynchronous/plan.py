@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -246,7 +246,16 @@ def chooser(req: Request, newest: Callable[[int, int], int]) -> Callable[[int], 
 
 def run_request(harness: Any, sampler: VersionedSampler, req: Request) -> RolloutResult:
     """``req``'s episodes through ``sampler``; each trajectory's ``turn_versions`` are the
-    versions its turns were sampled with."""
+    versions its turns were sampled with. The harness's turn ``k`` is generate call ``k``;
+    agents (``env=agent``) call the engine through the endpoint in batches of their own, so each
+    of their calls records the version of the generate call that served it."""
+    if getattr(harness, "records_call_versions", False):
+        return cast(
+            RolloutResult,
+            harness.rollout(
+                sampler, req.rows, req.sampling, group_size=req.group_size, version=lambda: sampler.used[-1]
+            ),
+        )
     result: RolloutResult = harness.rollout(sampler, req.rows, req.sampling, group_size=req.group_size)
     for traj in result.trajectories:
         traj.turn_versions = sampler.used[: traj.num_turns]
