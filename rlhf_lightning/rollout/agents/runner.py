@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rlhf_lightning.envs.agent import AgentEnv
+from rlhf_lightning.records.metrics import episode_metrics
 from rlhf_lightning.records.result import RolloutResult
 from rlhf_lightning.records.sampling import SamplingParams
 from rlhf_lightning.records.trajectory import Trajectory, collate
@@ -146,7 +147,7 @@ class AgentRunner:
                 restarted += len(traj.segment_starts) - 1
                 extended += len(calls) - len(traj.segment_starts)
             trajs.append(traj)
-        metrics = self._metrics(trajs)
+        metrics = episode_metrics(trajs, missing="zero")  # a failed episode was not correct
         if self.reward is not None and not evaluation:
             metrics.update(self.reward.apply(trajs, device))
         joins = extended + restarted
@@ -191,14 +192,6 @@ class AgentRunner:
         t.observation, t.task_info = question, task
         t.prompt_text = self.tokenizer.decode(t.token_ids[: t.prompt_len])
         return t
-
-    @staticmethod
-    def _metrics(trajs: list[Trajectory]) -> dict[str, float]:
-        sums: dict[str, float] = {}
-        for t in trajs:
-            for k, v in t.infos[0].items():
-                sums[k] = sums.get(k, 0.0) + float(v)
-        return {f"env/{k}": v / len(trajs) for k, v in sums.items()}
 
     def close(self) -> None:
         """Stop the agents' worker processes (a later rollout starts new ones)."""

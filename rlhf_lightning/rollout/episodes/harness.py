@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerBase
 
 from rlhf_lightning.config.errors import UserCodeError
 from rlhf_lightning.envs.base import Observation, TextEnv
+from rlhf_lightning.records.metrics import episode_metrics
 from rlhf_lightning.records.result import RolloutResult
 from rlhf_lightning.records.sampling import Completion, SamplingParams
 from rlhf_lightning.records.trajectory import Trajectory, collate
@@ -189,7 +190,7 @@ class RolloutHarness:
         )
         with session() if callable(session) else nullcontext():
             errors, timeouts = self._run_turns(engine, envs, trajs, params, progress, adapters is not None)
-        metrics = self._metrics(trajs)
+        metrics = episode_metrics(trajs)
         if self.reward is not None and not evaluation:  # evaluation keeps the env's own rewards
             metrics.update(self.reward.apply(trajs, device))
         batch = collate(trajs, self.tokenizer.pad_token_id)
@@ -431,21 +432,3 @@ class RolloutHarness:
         close = getattr(self.env_factory, "close", None)
         if callable(close):
             close()
-
-    @staticmethod
-    def _metrics(trajs: list[Trajectory]) -> dict[str, float]:
-        sums: dict[str, float] = {}
-        counts: dict[str, int] = {}
-        for t in trajs:
-            for info in t.infos:
-                for k, v in info.items():
-                    if isinstance(v, (bool, int, float)) and not isinstance(v, str):
-                        sums[k] = sums.get(k, 0.0) + float(v)
-                        counts[k] = counts.get(k, 0) + 1
-        out = {f"env/{k}": sums[k] / counts[k] for k in sums}
-        out["rollout/truncated_frac"] = sum(t.truncated for t in trajs) / max(len(trajs), 1)
-        out["rollout/cut_frac"] = sum(t.cut for t in trajs) / max(len(trajs), 1)
-        out["rollout/num_turns"] = sum(t.num_turns for t in trajs) / max(len(trajs), 1)
-        # the tokens an episode costs in the update (every sequence of it, with env.history=last)
-        out["rollout/episode_tokens"] = sum(len(t.token_ids) for t in trajs) / max(len(trajs), 1)
-        return out
