@@ -92,3 +92,26 @@ def test_a_bad_task_file_is_named_under_env_kwargs_data():
 
     with pytest.raises(ConfigError, match=r"env\.kwargs\.data\.path='nowhere\.jsonl': an existing file"):
         AgentEnv("examples.agent_calc.agent:solve", {"path": "nowhere.jsonl", "scorer": "integer"})
+
+
+@pytest.mark.slow
+def test_ppo_trains_on_agent_episodes_with_a_value_per_call(tmp_path):
+    from rlhf_lightning.run import run
+
+    out = tmp_path / "ppo"
+    cfg = compose_config(
+        [
+            *AGENT,
+            "algo=ppo",
+            "algo.prompts_per_step=2",
+            "trainer.max_steps=2",
+            "trainer.val_check_interval=100",
+        ],
+        output_dir=out,
+    )
+    assert run(cfg).exit_code == 0
+    with (out / "metrics.csv").open() as f:
+        train = [r for r in csv.DictReader(f) if r.get("rollout/reward_mean")]
+    assert len(train) == 2
+    # the calculator agent's episodes have two calls: two turn-level steps, each with its value
+    assert all(r.get("critic/value_turn_0") and r.get("critic/value_turn_1") for r in train)
