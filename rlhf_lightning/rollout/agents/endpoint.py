@@ -54,7 +54,9 @@ class Pending:
     ask: api.Ask
     main_key: str  # the conversation's first message (another purpose's calls differ)
     seq: int = 0  # arrival order (ties within one episode's round)
-    done: concurrent.futures.Future[list[Completion]] = field(default_factory=concurrent.futures.Future)
+    done: concurrent.futures.Future[list[tuple[Completion, str]]] = field(
+        default_factory=concurrent.futures.Future
+    )
 
 
 @dataclass
@@ -212,8 +214,9 @@ class PolicyEndpoint:
             v = version()
             for i, p in enumerate(group):
                 mine = list(out[i * n : (i + 1) * n])  # prompt-major
-                self._record(p, mine, v)
-                p.done.set_result(mine)
+                texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in mine]
+                self._record(p, mine, texts, v)
+                p.done.set_result(list(zip(mine, texts)))
         return len(batch)
 
     def _gather(self, wait_s: float) -> list[Pending]:
@@ -249,14 +252,14 @@ class PolicyEndpoint:
             except queue.Empty:
                 return []
 
-    def _record(self, p: Pending, completions: list[Completion], version: int) -> None:
+    def _record(self, p: Pending, completions: list[Completion], texts: list[str], version: int) -> None:
         with self._lock:
             record = self.episodes.get(p.episode)
             if record is None:  # the episode ended (its deadline) while the call waited
                 return
             if record.first_key is None:
                 record.first_key = p.main_key
-            for c in completions:
+            for c, text in zip(completions, texts):
                 record.calls.append(
                     Call(
                         prompt_ids=list(p.prompt_ids),
@@ -264,7 +267,7 @@ class PolicyEndpoint:
                         logprobs=list(c.logprobs),
                         finish_reason=c.finish_reason,
                         version=version,
-                        text=self.tokenizer.decode(c.token_ids, skip_special_tokens=True),
+                        text=text,
                         main=p.main_key == record.first_key,
                     )
                 )
@@ -361,7 +364,7 @@ class PolicyEndpoint:
             return web.json_response(
                 {"error": {"message": f"generation failed: {err}", "type": "server_error"}}, status=503
             )
-        choices = [self._choice(c) for c in completions]
+        choices = [self._choice(c, text, ask.logprobs) for c, text in completions]
         model = str(body.get("model") or self.model)
         if chat:
             parsed = [self.parse(c.text) if tools else None for c in choices]
@@ -391,14 +394,15 @@ class PolicyEndpoint:
             "prompt must be one string or one list of token ids (one prompt per request)", "prompt"
         )
 
-    def _choice(self, c: Completion) -> api.Choice:
-        tok = self.tokenizer
+    def _choice(self, c: Completion, text: str, logprobs: bool) -> api.Choice:
+        """A served completion as a response choice (each token's own text only when the request
+        asked for log-probs: it is what they are shown against)."""
         return api.Choice(
-            text=tok.decode(c.token_ids, skip_special_tokens=True),
+            text=text,
             token_ids=list(c.token_ids),
             logprobs=list(c.logprobs),
             finish_reason=c.finish_reason,
-            tokens=[tok.decode([t]) for t in c.token_ids],
+            tokens=[self.tokenizer.decode([t]) for t in c.token_ids] if logprobs else [],
         )
 
     async def _stream(self, request: Any, events: list[dict[str, Any]]) -> Any:

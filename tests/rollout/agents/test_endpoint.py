@@ -92,6 +92,7 @@ def test_a_chat_call_is_answered_and_recorded_token_for_token(endpoint, tok):
     assert call.prompt_ids == expected_prompt and call.completion_ids == reply_ids
     assert call.logprobs == [-0.1 * (k + 1) for k in range(len(reply_ids))] and call.version == 7
     assert [x.logprob for x in r.choices[0].logprobs.content] == pytest.approx(call.logprobs)
+    assert [x.token for x in r.choices[0].logprobs.content] == [tok.decode([t]) for t in reply_ids]
     assert r.usage.prompt_tokens == len(expected_prompt) and r.usage.completion_tokens == len(reply_ids)
 
 
