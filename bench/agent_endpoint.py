@@ -9,7 +9,9 @@ episodes, rollout.max_new_tokens=40, one thread, no evaluation; the runs alterna
 agent, harness, agent). Reported per side: the median over steps (the first dropped: start-up)
 of perf/step_s and perf/rollout_s, the calls per episode and, for the agent sides, the batched
 engine calls per step; the agent side runs with 8 and with 32 agents at once (env.concurrency:
-each agent is a worker process, and a batch holds at most that many requests).
+each agent is a worker process, and a batch holds at most that many requests), with the default
+``env.kwargs.batching=rounds`` (a round's calls in one engine call, in a fixed order) and, at 32,
+with ``window`` (the calls that arrive within 10 ms of the first).
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ SIDES = {
     "harness": ["experiment=tool_use"],
     "endpoint (8 agents at once)": ["experiment=agent_calc", "env.concurrency=8"],
     "endpoint (32 agents at once)": ["experiment=agent_calc", "env.concurrency=32"],
+    "endpoint (32 at once, batching=window)": [
+        "experiment=agent_calc",
+        "env.concurrency=32",
+        "env.kwargs.batching=window",
+    ],
 }
 
 
