@@ -26,7 +26,7 @@ $(VENV)/.installed: pyproject.toml | $(PY)
 # and the patch wiring on the CPU. --no-deps keeps pip from resolving a CUDA torch for them.
 TRITON ?= triton==3.5.0
 $(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml
-	$(PIP) install -q -e ".[dev,gem,openenv,agent]"
+	$(PIP) install -q -e ".[dev,gem,openenv,agent,verifiers]"
 	$(PIP) install -q --no-deps "liger-kernel==0.8.5" "$(TRITON)"
 	touch $@
 
