@@ -148,7 +148,11 @@ BAD = [
     ("algo.clip_ratio_c=0.5", "algo.clip_ratio_c=0.5", "> 1"),
     ("algo.update_epochs=0", "algo.update_epochs=0", "at least 1"),
     ("algo.chunk_rows=0", "algo.chunk_rows=0", "positive int"),
-    ("algo.loss=ppo", "algo.loss='ppo'", "one of cispo, gspo, ppo_clip, reinforce"),
+    (
+        "algo.loss=ppo",
+        "algo.loss='ppo'",
+        "one of cispo, dppo_kl, dppo_tv, gmpo, gspo, kl_cov, ppo_clip, reinforce, sapo",
+    ),
     ("algo.beta=-0.1", "algo.beta=-0.1", ">= 0"),
     ("rollout.max_new_tokens=0", "rollout.max_new_tokens=0", "positive number of tokens"),
     ("rollout.temperature=0", "rollout.temperature=0.0", "> 0"),

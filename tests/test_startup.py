@@ -51,7 +51,10 @@ def test_a_typo_in_a_key_fails_before_the_heavy_imports():
         ("rollout.top_p=2", "error: invalid config: rollout.top_p=2.0: in (0, 1]"),
         ("model.dtype=fp8", "error: invalid config: model.dtype='fp8'"),
         ("trainer.max_steps=0", "error: invalid config: trainer.max_steps=0"),
-        ("algo.loss=foo", "error: invalid config: algo.loss='foo': one of cispo, gspo, ppo_clip, reinforce"),
+        (
+            "algo.loss=foo",
+            "error: invalid config: algo.loss='foo': one of cispo, dppo_kl, dppo_tv, gmpo, gspo, kl_cov, ppo_clip, reinforce, sapo",
+        ),
         ("algo.advantage=gae", "error: invalid config: algo.advantage='gae'"),
         ("algo=ppo algo.kl_mode=bar", "Invalid value 'bar', expected one of [loss, reward, advantage]"),
     ],

@@ -31,7 +31,17 @@ from rlhf_lightning.config.choices import (
 # The built-in names of the registries the rollout families choose from, listed here so the
 # start-up checks can name a bad one before torch is imported (``config/early.py``);
 # ``tests/test_startup.py`` checks that they equal the registries' own.
-BUILTIN_POLICY_LOSSES = ("cispo", "gspo", "ppo_clip", "reinforce")
+BUILTIN_POLICY_LOSSES = (
+    "cispo",
+    "dppo_kl",
+    "dppo_tv",
+    "gmpo",
+    "gspo",
+    "kl_cov",
+    "ppo_clip",
+    "reinforce",
+    "sapo",
+)
 BUILTIN_OUTCOME_ADVANTAGES = ("dr_grpo", "grpo", "mean_only", "rebn", "reinforce_pp", "rloo")
 BUILTIN_AGGREGATION_MODES = tuple(m.value for m in AggMode)
 BUILTIN_KL_ESTIMATORS = tuple(m.value for m in KLEstimator)

@@ -154,8 +154,12 @@ def test_ppo_clipfrac_counts_tokens_whose_gradient_is_clipped():
 
 
 def test_registry_lists_names_and_rejects_duplicates():
-    assert {"ppo_clip", "cispo", "gspo", "reinforce"} == set(POLICY_LOSSES)
-    with pytest.raises(KeyError, match=r"valid names: cispo, gspo, ppo_clip, reinforce"):
+    assert {"ppo_clip", "cispo", "gspo", "reinforce", "dppo_tv", "dppo_kl", "sapo", "gmpo", "kl_cov"} == set(
+        POLICY_LOSSES
+    )
+    with pytest.raises(
+        KeyError, match=r"valid names: cispo, dppo_kl, dppo_tv, gmpo, gspo, kl_cov, ppo_clip, reinforce, sapo"
+    ):
         get_policy_loss("ppo_clipp")
     with pytest.raises(ValueError, match="already registered"):
         POLICY_LOSSES.register("cispo")(lambda *a: None)
