@@ -67,6 +67,16 @@ def test_a_missing_environment_is_refused_naming_the_field():
         VerifiersEnv("vf_no_such_env")
 
 
+def test_a_missing_extra_is_refused_naming_it(monkeypatch):
+    from rlhf_lightning.envs.verifiers import VerifiersEnv
+
+    monkeypatch.setattr(
+        "importlib.util.find_spec", lambda name, *a: None if name == "verifiers" else object()
+    )
+    with pytest.raises(ConfigError, match=r'env\.kwargs\.id.*pip install -e "\.\[verifiers\]"'):
+        VerifiersEnv("vf_exact_answer", {"path": TASKS})
+
+
 class ScriptedEngine:
     """Calls the calculator on the task's expression, then answers with the tool's result (or
     the answer right away when ``direct``); records every completion it returns."""
