@@ -27,9 +27,9 @@ from rlhf_lightning.learner.member import Member
 from rlhf_lightning.learner.optimizer import set_base_lrs
 from rlhf_lightning.learner.plan import UpdatePlan
 from rlhf_lightning.models.adapters import copy_adapter
+from rlhf_lightning.records.metrics import episode_metrics
 from rlhf_lightning.records.result import RolloutResult
 from rlhf_lightning.records.trajectory import Trajectory, collate
-from rlhf_lightning.rollout.episodes.harness import RolloutHarness
 from rlhf_lightning.rollout.source import RolloutSource
 
 # (hyper-parameters, the algorithm's config values, world size, member id) -> raises if invalid
@@ -63,7 +63,7 @@ def split_by_adapter(
         first = mine[0].group_id
         for t in mine:
             t.group_id -= first
-        out[name] = RolloutResult(collate(mine, pad_token_id), mine, RolloutHarness._metrics(mine))
+        out[name] = RolloutResult(collate(mine, pad_token_id), mine, episode_metrics(mine))
     return out
 
 
