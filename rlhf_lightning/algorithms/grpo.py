@@ -38,6 +38,21 @@ def estimator(hp: GRPOConfig) -> tuple[Callable[..., torch.Tensor], dict[str, An
     return get_advantage_estimator(name), kwargs
 
 
+def reward_terms(traj: TrajectoryBatch, returns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each term of the training return (B, C) and its weight (C,), for decoupled advantages: the
+    reward group's terms (``traj.reward_terms``; else the return is the one term), and last what
+    scoring added to the return (DAPO's overlong penalty, a KL in the reward) as a term of weight
+    1 (0 where nothing was added, below float noise: a constant term adds nothing). The same
+    number of terms on every rank, without a host sync."""
+    if traj.reward_terms is None or traj.reward_weights is None or len(traj) == 0:
+        return returns[:, None], torch.ones(1, dtype=returns.dtype, device=returns.device)
+    terms = traj.reward_terms.to(device=returns.device, dtype=returns.dtype)  # (B, C)
+    weights = traj.reward_weights[0].to(device=returns.device, dtype=returns.dtype)  # (C,): every row's
+    shaping = returns - (terms * weights).sum(-1)  # (B,)
+    shaping = torch.where(shaping.abs() > 1e-5, shaping, torch.zeros_like(shaping))
+    return torch.cat([terms, shaping[:, None]], dim=1), torch.cat([weights, weights.new_ones(1)])
+
+
 class GRPOFamily(Family):
     """Group-relative advantages (any registered estimator) and any registered objective."""
 
@@ -57,6 +72,9 @@ class GRPOFamily(Family):
         ws, rank = learner.world_size, learner.rank
         all_returns, offset = gather_rows(returns, ws, rank)
         groups, _ = gather_rows(traj.group_ids + rank * GROUP_ID_STRIDE, ws, rank)
+        if ADVANTAGE_ESTIMATORS.meta(registered_name(hp.advantage)).get("decoupled"):
+            terms, weights = reward_terms(traj, returns)
+            kwargs = {**kwargs, "components": gather_rows(terms, ws, rank)[0], "weights": weights}
         adv = fn(all_returns, groups, **kwargs)
         adv = postprocess_advantages(adv, whiten=hp.whiten_advantages, clip=hp.advantage_clip)
         return adv[offset : offset + len(returns)]

@@ -144,6 +144,49 @@ def reinforce_pp_advantages(
     return _batch_whiten(rewards - mean.to(rewards.dtype), eps)
 
 
+@ADVANTAGE_ESTIMATORS.register("gdpo", kind="outcome", params=(), decoupled=True)
+def gdpo_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    components: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """GDPO: group reward-decoupled normalisation (Liu et al. 2026, NVIDIA, arXiv 2601.05242,
+    sec. 3): each reward component is normalised within its group before the weighted sum, and
+    the sum is then normalised over the batch:
+    ``A_i = norm_batch(sum_k w_k * (r_ik - mean_group(r_k)) / (std_group(r_k) + eps))``.
+
+    GRPO on the weighted sum normalises ``sum_k w_k r_k`` at once, so distinct combinations of
+    component rewards with the same sum get the same advantage (a group scoring (1, 0) and
+    (0, 1) on two rewards has no signal); GDPO keeps each component's own contrast. The
+    algorithm module hands each trajectory's reward terms (``components``: the env's return and
+    each ``reward`` component's score, ``weights``: ``reward.weights``); without them the
+    summed return is the one component (GRPO's advantages, then batch-normalised).
+
+    Args:
+        rewards: the summed return per trajectory (used when ``components`` is None). Shape: (N,)
+        group_ids: Shape: (N,)
+        components: each term's return per trajectory. Shape: (N, C) or None
+        weights: each term's weight (default 1). Shape: (C,) or None
+
+    Returns:
+        Shape: (N,)
+    """
+    parts = rewards[:, None] if components is None else components.to(rewards.dtype)
+    w = (
+        torch.ones(parts.shape[1], dtype=parts.dtype, device=parts.device)
+        if weights is None
+        else weights.to(parts.dtype)
+    )
+    total = torch.zeros_like(rewards)
+    for k in range(parts.shape[1]):
+        _, mean, std = group_stats(parts[:, k], group_ids)
+        total = total + w[k] * (parts[:, k] - mean.to(parts.dtype)) / (std.to(parts.dtype) + eps)
+    return _batch_whiten(total, eps)
+
+
 @ADVANTAGE_ESTIMATORS.register("gae", kind="critic")
 def gae_advantages(
     rewards: torch.Tensor,

@@ -45,6 +45,9 @@ class Trajectory:
         default_factory=list
     )  # the env's own per-turn rewards (before reward=...)
     reward_parts: dict[str, float] = field(default_factory=dict)  # raw score of each reward component
+    # Each term of the training return as (weight, return): the env's and each reward component's
+    # (after batch standardisation), set by the reward group; for decoupled advantages (gdpo).
+    reward_terms: dict[str, tuple[float, float]] = field(default_factory=dict)
     # The policy version (optimizer updates done) that generated each turn: set by asynchronous
     # rollouts (``rollout.mode=async``), empty otherwise (the current weights).
     turn_versions: list[int] = field(default_factory=list)
@@ -103,6 +106,9 @@ class TrajectoryBatch:
         position_ids: (B, L) for packed rows (several sequences per row: SFT packing, or the
             turns of an episode with ``env.history=last|last_k``; positions restart at each and
             attention stays within it), None otherwise
+        reward_terms, reward_weights: (B, C), each term of the training return (the env's, each
+            reward component's) and its weight, when every trajectory has the same terms; None
+            otherwise (``Trajectory.reward_terms``)
     """
 
     input_ids: torch.Tensor
@@ -121,6 +127,8 @@ class TrajectoryBatch:
     turn_cut: torch.Tensor
     turn_starts: torch.Tensor
     position_ids: torch.Tensor | None = None
+    reward_terms: torch.Tensor | None = None
+    reward_weights: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -198,7 +206,21 @@ def collate(trajectories: list[Trajectory], pad_token_id: int) -> TrajectoryBatc
         position_ids=segment_positions([t.segment_lengths() for t in trajectories], width)
         if segmented
         else None,
+        **reward_term_tensors(trajectories),
     )
+
+
+def reward_term_tensors(trajectories: list[Trajectory]) -> dict[str, torch.Tensor | None]:
+    """``reward_terms`` and ``reward_weights`` (B, C) from each trajectory's terms in name order,
+    when all have the same names; both None otherwise."""
+    names = sorted(trajectories[0].reward_terms)
+    if not names or any(sorted(t.reward_terms) != names for t in trajectories):
+        return {"reward_terms": None, "reward_weights": None}
+    pairs = [[t.reward_terms[n] for n in names] for t in trajectories]
+    return {
+        "reward_terms": torch.tensor([[v for _, v in row] for row in pairs], dtype=torch.float32),
+        "reward_weights": torch.tensor([[w for w, _ in row] for row in pairs], dtype=torch.float32),
+    }
 
 
 def segment_positions(lens: list[list[int]], width: int) -> torch.Tensor:

@@ -327,6 +327,7 @@ class CombinedReward:
             if getattr(c, "normalize", "none") not in NORMALIZE:
                 raise ConfigError("reward.normalize", c.normalize, f"one of {', '.join(NORMALIZE)}")
         self.components = components
+        self.use_env = use_env
         self.env_weight = weights.get("env", 1.0) if use_env else 0.0
         self.weights = {c.name: weights.get(c.name, 1.0) for c in components}
 
@@ -362,7 +363,8 @@ class CombinedReward:
 
         Called once per training step, after the last rollout, on every rank (one collective
         when a component normalises, none otherwise). ``all_sum`` sums a tensor over ranks;
-        ``device`` is where its input goes (the trainer's device under NCCL). Returns
+        ``device`` is where its input goes (the trainer's device under NCCL). Also writes each
+        trajectory's ``reward_terms`` (:meth:`terms`). Returns
         ``reward/env``, ``reward/<name>`` (raw score means) and ``reward/total`` (the training
         return) over this rank's trajectories.
         """
@@ -379,7 +381,15 @@ class CombinedReward:
                     p[name] = value
         for t, p in zip(trajectories, parts):
             t.rewards = self.combined(t.env_rewards, p)
+            t.reward_terms = self.terms(t.env_rewards, p)
         return self.metrics(trajectories)
+
+    def terms(self, env_rewards: Sequence[float], parts: dict[str, float]) -> dict[str, tuple[float, float]]:
+        """Each term of the training return as (weight, return): ``env`` (the env's summed rewards,
+        when it is a source) and every component's score; the return is their weighted sum
+        (decoupled advantages normalise each term on its own: ``algo.advantage=gdpo``)."""
+        out = {"env": (self.env_weight, math.fsum(env_rewards))} if self.use_env else {}
+        return {**out, **{name: (w, parts[name]) for name, w in self.weights.items()}}
 
     def combined(self, env_rewards: Sequence[float], parts: dict[str, float]) -> list[float]:
         """Per-turn rewards: the weighted env rewards, plus the weighted scores on the last turn."""
