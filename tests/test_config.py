@@ -39,6 +39,8 @@ def test_every_yaml_composes_and_resolves(group, option, tiny_path):
         overrides.append("env.kwargs.path=openai/gsm8k")
     if (group, option) == ("env", "agent"):  # its two required values
         overrides += ["env.kwargs.agent=examples.agent_calc.agent:solve", "env.kwargs.data.path=tasks.jsonl"]
+    if (group, option) == ("env", "verifiers"):  # its one required value
+        overrides.append("env.kwargs.id=my_env")
     if (group, option) == ("reward", "function"):
         overrides.append("reward.fn=math.sqrt")
     if (group, option) == ("reward", "model"):

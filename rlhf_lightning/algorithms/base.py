@@ -70,6 +70,7 @@ class RolloutModule(RolloutEvaluation):
         hp: the algorithm's config dataclass (e.g. :class:`~rlhf_lightning.config.GRPOConfig`).
         eval_greedy, eval_sampled: which evaluations the validation loop runs.
         num_train_rows: rows in the env's train split (to draw extra prompts from).
+        teacher: on-policy distillation's teacher (``algo.teacher``), or None.
     """
 
     generates_in_training_step = True
@@ -90,6 +91,7 @@ class RolloutModule(RolloutEvaluation):
         num_train_rows: int | None = None,
         eval_num_samples: int = 1,
         driver: AsyncDriver | None = None,
+        teacher: Any = None,
     ) -> None:
         super().__init__(policy, hp)
         self.harness = harness
@@ -118,7 +120,12 @@ class RolloutModule(RolloutEvaluation):
             refill=self.refill(),
         )
         self.learner = Learner(
-            policy, self.family(), self.stepper, self.report_phase, lambda: int(self.global_step)
+            policy,
+            self.family(),
+            self.stepper,
+            self.report_phase,
+            lambda: int(self.global_step),
+            teacher=teacher,
         )
         # Without a population: one member, the run's settings. A population's callback
         # provides its own schedule, taken at setup (before the optimizers are configured).

@@ -27,6 +27,7 @@ from rlhf_lightning.config.choices import (
     RatioLevel,
     TurnValue,
 )
+from rlhf_lightning.config.distill import DistillConfig, TeacherConfig
 
 # The built-in names of the registries the rollout families choose from, listed here so the
 # start-up checks can name a bad one before torch is imported (``config/early.py``);
@@ -116,6 +117,9 @@ class RolloutAlgoConfig(OptimConfig):
     micro_batch_tokens: int | None = None
     update_epochs: int = 1
     use_liger_loss: bool = False  # Liger's fused linear loss on GPU, for the combinations it covers
+    # on-policy distillation: a teacher scores every generated token (config/distill.py)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
 
 @dataclass

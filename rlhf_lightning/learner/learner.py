@@ -60,6 +60,8 @@ class Learner:
     stepper: the module's backward passes and optimizer steps.
     report: where the step is (the progress bar), e.g. ``"update 2/4"``.
     global_step: optimizer steps done (a shared reference refreshes on it).
+    teacher: on-policy distillation's teacher (:class:`~rlhf_lightning.learner.teacher.Teacher`),
+        or None.
     """
 
     def __init__(
@@ -69,9 +71,11 @@ class Learner:
         stepper: Stepper,
         report: Callable[[str], None] = lambda text: None,
         global_step: Callable[[], int] = lambda: 0,
+        teacher: Any = None,
     ) -> None:
         self.policy, self.family, self.stepper = policy, family, stepper
         self.report, self.global_step = report, global_step
+        self.teacher = teacher
 
     @property
     def device(self) -> torch.device:
@@ -142,7 +146,14 @@ class Learner:
         :class:`~rlhf_lightning.learner.scoring.Scorer` of the member's hyper-parameters)."""
         old_logp = self.old_logprobs(traj, member, stale=stale)
         ref_logp = self.logprobs(traj, member, reference=True) if member.hp.beta > 0 else None
-        return self.score_with(traj, member, old_logp, ref_logp)
+        teacher_logp = None
+        if self.teacher is not None and member.hp.distill.coef != 0:
+            self.report("teacher scoring")
+            hp = member.hp
+            teacher_logp = self.teacher.logprobs(
+                traj, self.plan(member), member.sampling.temperature, hp.chunk_rows
+            )
+        return self.score_with(traj, member, old_logp, ref_logp, teacher_logp)
 
     def score_with(
         self,
@@ -150,9 +161,10 @@ class Learner:
         member: Member,
         old_logp: torch.Tensor | None,
         ref_logp: torch.Tensor | None,
+        teacher_logp: torch.Tensor | None = None,
     ) -> Scored:
-        """:meth:`score` with the behaviour (None: on-policy) and reference (None: no KL)
-        log-probs given. Shapes: (B, T)"""
+        """:meth:`score` with the behaviour (None: on-policy), reference (None: no KL) and
+        teacher (None: no distillation) log-probs given. Shapes: (B, T)"""
         scorer = Scorer.from_hp(member.hp, member.sampling.max_new_tokens, self.family.per_token_kl_reward)
         family = self.family
         scored = scorer(
@@ -161,6 +173,7 @@ class Learner:
             ref_logp,
             lambda t, r, ret: family.advantages(self, member, t, r, ret),
             lambda t, r, ret, kl: family.advantages(self, member, t, r, ret, kl),
+            teacher_logp,
         )
         return dataclasses.replace(scored, old_logp=old_logp, ref_logp=ref_logp)
 

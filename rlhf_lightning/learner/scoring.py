@@ -53,6 +53,9 @@ class Scorer:
         per_token_kl_reward: ``kl_mode=reward`` reaches the family's advantages per token.
         mask_truncated: drop unfinished (truncated or cut) episodes from the loss.
         offpolicy_token_bounds, offpolicy_seq_threshold: trainer/engine off-policy masks.
+        distill_coef: on-policy distillation's weight (0: off; it needs the teacher's log-probs).
+        distill_task_reward: keep the task's advantages beside the distillation term (False:
+            pure distillation).
     """
 
     max_new_tokens: int
@@ -66,6 +69,8 @@ class Scorer:
     mask_truncated: bool = False
     offpolicy_token_bounds: tuple[float, float] | None = None
     offpolicy_seq_threshold: float | None = None
+    distill_coef: float = 0.0
+    distill_task_reward: bool = True
 
     @classmethod
     def from_hp(cls, hp: RolloutAlgoConfig, max_new_tokens: int, per_token_kl_reward: bool) -> Scorer:
@@ -83,6 +88,8 @@ class Scorer:
             mask_truncated=hp.mask_truncated,
             offpolicy_token_bounds=(float(bounds[0]), float(bounds[1])) if bounds is not None else None,
             offpolicy_seq_threshold=hp.offpolicy_seq_threshold,
+            distill_coef=float(hp.distill.coef) if hp.teacher.path is not None else 0.0,
+            distill_task_reward=bool(hp.distill.task_reward),
         )
 
     def __call__(
@@ -92,9 +99,11 @@ class Scorer:
         ref_logp: torch.Tensor | None,
         advantages: AdvantageFn,
         advantages_with_kl: AdvantageWithKLFn,
+        teacher_logp: torch.Tensor | None = None,
     ) -> Scored:
         """Score ``traj``: ``old_logp`` (B, T) the trainer's behaviour log-probs (None:
-        on-policy), ``ref_logp`` (B, T) the reference's (None without a KL)."""
+        on-policy), ``ref_logp`` (B, T) the reference's (None without a KL), ``teacher_logp``
+        (B, T) the distillation teacher's (None without one)."""
         metrics: Metrics = {}
         rewards = traj.rewards.float()  # (B, K)
         if self.overlong_buffer:
@@ -121,6 +130,12 @@ class Scorer:
         metrics.update(found.metrics)
         if kl_tokens is not None and self.kl_mode == "advantage":
             adv = kl_shaped_advantages(adv, kl_tokens, traj.action_mask, self.beta)
+        if teacher_logp is not None and self.distill_coef != 0:
+            behaviour = old_logp if old_logp is not None else traj.sampling_logps
+            adv, m = distilled_advantages(
+                adv, behaviour, teacher_logp, traj.action_mask, self.distill_coef, self.distill_task_reward
+            )
+            metrics.update(m)
         mask = traj.action_mask
         if self.mask_truncated:  # episodes with no terminal state, or with a reply cut at the length cap
             unfinished = traj.truncated | traj.cut
@@ -140,6 +155,43 @@ class Scorer:
         metrics["actor/adv_mean"] = adv.float().mean() if adv.dim() == 1 else masked_mean(adv, mask)
         out = {k: v.detach().float().cpu() for k, v in metrics.items()}
         return Scored(adv, mask, out, critic=found.critic, level=found.level)
+
+
+def distilled_advantages(
+    advantages: torch.Tensor,
+    student_logp: torch.Tensor,
+    teacher_logp: torch.Tensor,
+    mask: torch.Tensor,
+    coef: float,
+    task_reward: bool = True,
+) -> tuple[torch.Tensor, Metrics]:
+    """On-policy distillation's per-token advantage: the sampled-token estimate of the reverse
+    KL to the teacher, ``k_t = log pi_student(y_t) - log pi_teacher(y_t)`` at each token the
+    student generated, enters as ``A_t = A_task - coef * k_t`` (``task_reward=False``:
+    ``A_t = -coef * k_t``). Each token is credited with its own term only (no sum over later
+    tokens): minimising ``E_student[sum_t k_t]`` token by token, as in on-policy distillation
+    (Agarwal et al. 2024, arXiv 2306.13649, with the reverse KL; Lu & Thinking Machines 2025).
+    Only the student's own tokens (``mask``) get one: an env's or tool's tokens are not scored.
+
+    Args:
+        advantages: the task's. Shape: (B,) or (B, T)
+        student_logp: the student's behaviour log-probs (no gradient). Shape: (B, T)
+        teacher_logp: Shape: (B, T)
+        mask: the student's action tokens. Shape: (B, T)
+
+    Returns:
+        (advantages of Shape (B, T), metrics ``distill/reverse_kl`` (the per-token mean) and
+        ``distill/teacher_logp``)
+    """
+    m = mask.to(student_logp.dtype)
+    k = (student_logp.detach() - teacher_logp.detach()) * m
+    task = advantages.unsqueeze(-1).expand_as(k) if advantages.dim() == 1 else advantages
+    adv = (task * m if task_reward else torch.zeros_like(k)) - coef * k
+    metrics = {
+        "distill/reverse_kl": masked_mean(k, mask),
+        "distill/teacher_logp": masked_mean(teacher_logp.detach(), mask),
+    }
+    return adv, metrics
 
 
 def finalize_rewards(

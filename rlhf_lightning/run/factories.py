@@ -32,6 +32,7 @@ from rlhf_lightning.callbacks.progress import ProgressLog, StepProgressBar, auto
 from rlhf_lightning.callbacks.signals import StopOnSignal
 from rlhf_lightning.data.offline import OfflineDataModule
 from rlhf_lightning.data.prompts import PromptDataModule
+from rlhf_lightning.learner.teacher import Teacher, check_teacher_tokenizer
 from rlhf_lightning.population.callback import Population
 from rlhf_lightning.population.checks import default_evolve_every, side_by_side
 from rlhf_lightning.population.evolution import DEFAULT_SPACE, MutationRange, flat_space
@@ -112,6 +113,7 @@ def build(cfg: DictConfig, output_dir: Path) -> tuple[L.LightningModule, L.Light
     m, a = cfg.model, cfg.algo
     spec = get_algorithm(a.module)
     tokenizer = tokenizer_from(m, cfg.env)
+    teacher = teacher_from(a, tokenizer)  # a teacher with another tokenizer fails before any model loads
     harness, train_rows, eval_rows = harness_from(cfg, tokenizer, online=spec.data == "online")
     model = model_from(m)
     resolve_algo(
@@ -138,6 +140,7 @@ def build(cfg: DictConfig, output_dir: Path) -> tuple[L.LightningModule, L.Light
             num_samples_to_keep=cfg.samples.num,
             num_train_rows=train_rows,
             driver=async_driver_from(cfg, output_dir, policy, tokenizer),
+            teacher=teacher,
         )
         dm: L.LightningDataModule = PromptDataModule(
             train_rows, eval_rows, a.prompts_per_step, cfg.eval.batch_size, seed=cfg.seed
@@ -147,6 +150,16 @@ def build(cfg: DictConfig, output_dir: Path) -> tuple[L.LightningModule, L.Light
         dm = offline_data(cfg, spec, harness, eval_rows)
     module.eval_info_metrics = tuple(cfg.eval.info_metrics)
     return module, dm
+
+
+def teacher_from(a: DictConfig, tokenizer: Any) -> Teacher | None:
+    """``algo.teacher``: its tokenizer checked against the student's, then its model loaded
+    (None without ``algo.teacher.path``)."""
+    t = a.get("teacher")
+    if t is None or t.path is None:
+        return None
+    check_teacher_tokenizer(tokenizer, str(t.path), t.revision)
+    return Teacher.load(str(t.path), revision=t.revision, dtype=str(t.dtype), offload=bool(t.offload))
 
 
 def offline_data(
