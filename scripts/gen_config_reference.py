@@ -26,6 +26,7 @@ import argparse
 import ast
 import dataclasses
 import html
+import inspect
 import io
 import json
 import os
@@ -288,7 +289,42 @@ def render(source: str | None = None, conf_dir: Path = CONF_DIR) -> str:
                 f"| `{fd.name}` | {render_type(str(f.type), set(classes))} | "
                 f"{render_default(default_value(f))} | {text} |\n"
             )
+        if "loss" in by_name and "advantage" in by_name:
+            out += registered_names()
     return "".join(out)
+
+
+def _summary(fn: Any) -> str:
+    """The first paragraph of a registered function's docstring, on one line (its ``code`` as
+    Markdown code, left unescaped)."""
+    text = " ".join((inspect.getdoc(fn) or "").split("\n\n")[0].split()).replace("``", "`")
+    return "`".join(part if i % 2 else _escape(part) for i, part in enumerate(text.split("`")))
+
+
+def registered_names() -> list[str]:
+    """The objectives (``algo.loss``) and group estimators (``algo.advantage``) the registries hold,
+    each with its parameters and defaults (a list, not a table: the tables are the schemas')."""
+    from rlhf_lightning.losses import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+
+    out = [
+        "\nRegistered objectives, `algo.loss: {name: <name>, <params>}` (`rlhf_lightning.losses.POLICY_LOSSES`):\n\n"
+    ]
+    for name in POLICY_LOSSES.names():
+        params = POLICY_LOSSES.meta(name)["params"]
+        shown = ", ".join(f"`{f.name}={f.default!r}`" for f in dataclasses.fields(params))
+        out.append(
+            f"- `{name}` ({params.__name__}: {shown or 'no parameters'}): {_summary(POLICY_LOSSES.get(name))}\n"
+        )
+    out.append(
+        "\nRegistered group estimators, `algo.advantage: {name: <name>, <params>}` (`ADVANTAGE_ESTIMATORS`):\n\n"
+    )
+    for name in ADVANTAGE_ESTIMATORS.names():
+        meta = ADVANTAGE_ESTIMATORS.meta(name)
+        if meta.get("kind") != "outcome":
+            continue
+        shown = ", ".join(f"`{p}`" for p in meta.get("params", ())) or "no parameters"
+        out.append(f"- `{name}` ({shown}): {_summary(ADVANTAGE_ESTIMATORS.get(name))}\n")
+    return out
 
 
 def write_atomic(path: Path, text: str) -> None:

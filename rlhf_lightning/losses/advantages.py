@@ -153,9 +153,9 @@ def gdpo_advantages(
     weights: torch.Tensor | None = None,
     eps: float = 1e-6,
 ) -> torch.Tensor:
-    """GDPO: group reward-decoupled normalisation (Liu et al. 2026, NVIDIA, arXiv 2601.05242,
-    sec. 3): each reward component is normalised within its group before the weighted sum, and
-    the sum is then normalised over the batch:
+    """GDPO: group reward-decoupled normalisation (Liu et al. 2026, NVIDIA, arXiv 2601.05242): each
+    reward component is normalised within its group before the weighted sum, and the sum is then
+    normalised over the batch:
     ``A_i = norm_batch(sum_k w_k * (r_ik - mean_group(r_k)) / (std_group(r_k) + eps))``.
 
     GRPO on the weighted sum normalises ``sum_k w_k r_k`` at once, so distinct combinations of

@@ -195,8 +195,8 @@ def sapo_loss(
     tau_pos: float = 1.0,
     tau_neg: float = 1.05,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """SAPO: soft adaptive policy optimisation (Qwen, Gao et al. 2025, arXiv 2511.20347, sec. 3:
-    the soft gate f and the objective built on it).
+    """SAPO: soft adaptive policy optimisation (Qwen, Gao et al. 2025, arXiv 2511.20347: its
+    objective with the soft gate f_{i,t}, replacing GRPO's clip).
 
     ``loss = -f(r) * A`` with the gate ``f(r) = sigmoid(tau * (r - 1)) * 4 / tau`` and
     ``tau = tau_pos`` for A > 0, ``tau_neg`` for A <= 0. Its gradient is
@@ -240,8 +240,8 @@ def gmpo_loss(
     log_clip_high: float = 0.4,
     turn_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GMPO: geometric-mean policy optimisation (Zhao et al. 2025, arXiv 2507.20673, sec. 3: the
-    objective with token-level clipping; range (e^-0.4, e^0.4) from its sec. 4).
+    """GMPO: geometric-mean policy optimisation (Zhao et al. 2025, arXiv 2507.20673: its objective
+    with token-level clipping in log space; the paper's range is (e^-0.4, e^0.4)).
 
     Per sequence i with |o_i| action tokens the objective is
     ``(prod_t |min(r_t A, clip(r_t, e^-low, e^high) A)|)^(1/|o_i|) * sgn(A)``, computed in log
@@ -310,7 +310,7 @@ def kl_cov_loss(
     kl_coef: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """KL-Cov (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning
-    Language Models", arXiv 2505.22617, sec. 4: the KL-Cov objective; verl's ``kl_cov``).
+    Language Models", arXiv 2505.22617: its KL-Cov objective; verl's ``kl_cov``).
 
     Policy entropy falls where a token's log-probability and its advantage co-vary. Each action
     token's centred covariance ``c_t = (A_t - mean(A)) * (logp_t - mean(logp))`` (means over
@@ -318,8 +318,8 @@ def kl_cov_loss(
     ``max(1, floor(k_ratio * n))`` of the n action tokens get a KL penalty, the rest the plain
     importance-weighted policy gradient, without clipping:
     ``loss = -r * A + kl_coef * |log r| * [t in top-k]``. ``|log r|`` is the token's KL estimate
-    as in the authors' implementation. Defaults: k = 2e-3 and kl_coef = 1 (the paper's 7B
-    setting; verl's config ships k = 2e-4).
+    as in the authors' implementation (merged into verl). Defaults: k = 2e-3, kl_coef = 1
+    (verl's config ships k = 2e-4 and 0.1; the right share depends on the batch's token count).
 
     The covariance is over the tokens this call sees: one micro-batch (``algo.micro_batch_size``;
     rows with zero advantage are skipped by default, ``algo.skip_zero_advantage``), as in verl.

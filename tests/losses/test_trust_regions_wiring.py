@@ -126,3 +126,16 @@ def test_a_population_refuses_a_parameter_the_objective_lacks(loss, mutated, nam
     )
     with pytest.raises(ConfigError, match=named):
         validate(cfg)
+
+
+def test_the_configuration_reference_lists_every_registered_objective_and_estimator():
+    from rlhf_lightning.losses import ADVANTAGE_ESTIMATORS
+    from tests.conftest import ROOT
+
+    page = (ROOT / "docs" / "reference" / "config.md").read_text()
+    for name in POLICY_LOSSES.names():
+        params = POLICY_LOSSES.meta(name)["params"]
+        assert f"- `{name}` ({params.__name__}" in page, name
+    for name in ("dppo_tv", "dppo_kl", "sapo", "gmpo", "kl_cov"):
+        assert "arXiv" in page.split(f"- `{name}` (", 1)[1].split("\n", 1)[0], name
+    assert "- `gdpo` (" in page and ADVANTAGE_ESTIMATORS.meta("gdpo")["kind"] == "outcome"
