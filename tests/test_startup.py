@@ -6,6 +6,7 @@ it takes is measured by ``bench/startup.py``, not here."""
 from __future__ import annotations
 
 import subprocess
+import tempfile
 import sys
 
 import pytest
@@ -26,13 +27,14 @@ def imported_modules(stderr: str) -> set[str]:
 
 def failed_run(*overrides: str) -> tuple[str, set[str]]:
     """``train.py`` with ``overrides``, which must fail: its stderr and the modules it imported."""
-    proc = subprocess.run(
-        [sys.executable, "-X", "importtime", "train.py", *overrides],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    with tempfile.TemporaryDirectory() as out:  # a refused run's directory is not left in outputs/
+        proc = subprocess.run(
+            [sys.executable, "-X", "importtime", "train.py", *overrides, f"output_dir={out}/run"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert proc.returncode != 0
     return proc.stderr, imported_modules(proc.stderr)
 
