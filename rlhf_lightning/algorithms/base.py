@@ -40,6 +40,7 @@ from rlhf_lightning.models.policy import Policy
 from rlhf_lightning.models.sharding import gathered
 from rlhf_lightning.records.result import RolloutResult
 from rlhf_lightning.records.sampling import SamplingParams
+from rlhf_lightning.records.trajectory import Trajectory
 from rlhf_lightning.rollout.asynchronous.driver import AsyncDriver
 from rlhf_lightning.rollout.asynchronous.plan import BatchSource
 from rlhf_lightning.rollout.engines.base import RolloutEngine
@@ -105,6 +106,10 @@ class RolloutModule(RolloutEvaluation):
         self.num_samples_to_keep = num_samples_to_keep
         self.num_train_rows = num_train_rows
         self.last_samples: list[dict[str, Any]] = []
+        # The last step's episodes (the first member's) and the policy version that sampled them
+        # (turns without their own ``turn_versions``): what ``trace.every_n_steps`` writes.
+        self.last_trajectories: list[Trajectory] = []
+        self.last_rollout_version = 0
         self.last_eval_step = -1
         self._eval_outputs = {}
         self._warned_gap_at = -(10**9)
@@ -141,6 +146,7 @@ class RolloutModule(RolloutEvaluation):
     # ---------------------------------------------------------------- the training step
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         t_start = time.perf_counter()
+        version = int(self.global_step)  # the weights the rollouts below sample with
         with gathered(self.policy):  # FSDP: full weights, so ranks generate independently
             # 1. Rollouts for the members that learn this step (one engine call side by side).
             rollouts, metrics = self.schedule.rollouts(self.source, batch.tolist())
@@ -169,6 +175,7 @@ class RolloutModule(RolloutEvaluation):
         if self.global_step - self._warned_gap_at >= 100 and warn_on_engine_gap(shown, self.hp.tis_cap):
             self._warned_gap_at = self.global_step  # at most every 100 steps
         self.last_samples = sample_rows(rollouts[0][1].trajectories[: self.num_samples_to_keep])
+        self.last_trajectories, self.last_rollout_version = rollouts[0][1].trajectories, version
 
     def learn(
         self, k: int, member: Member, result: RolloutResult, count: int

@@ -297,6 +297,19 @@ class SamplesConfig:
 
 
 @dataclass
+class TraceConfig:
+    """Rollout traces: whole episodes in the run's ``traces.jsonl`` (``rlhf_lightning/traces``;
+    read them with ``python -m rlhf_lightning.traces RUN``) and a ``traces`` table in W&B."""
+
+    every_n_steps: int = 0  # trace every this many training steps; 0: off
+    episodes: int = 4  # episodes traced per traced step (the step's first ones)
+    # Bound on traces.jsonl in bytes: past it the oldest traced steps are dropped (the newest
+    # kept within half of it; logged once)
+    max_bytes: int = 20_000_000
+    max_chars: int = 4000  # per text field (a turn's context, reply, ...): head and tail kept; 0: all
+
+
+@dataclass
 class ProgressConfig:
     """A compact progress line (step, reward, eval accuracy, elapsed, ETA) when stdout is not a
     terminal (log files, CI, SLURM); in a terminal the rich bar shows progress instead."""
@@ -353,6 +366,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     samples: SamplesConfig = field(default_factory=SamplesConfig)
+    trace: TraceConfig = field(default_factory=TraceConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     progress: ProgressConfig = field(default_factory=ProgressConfig)
     population: PopulationConfig = field(default_factory=PopulationConfig)

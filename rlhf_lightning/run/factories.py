@@ -30,6 +30,7 @@ from rlhf_lightning.callbacks.guard import Guard
 from rlhf_lightning.callbacks.objective import CheckOptimizedMetric
 from rlhf_lightning.callbacks.progress import ProgressLog, StepProgressBar, auto_every
 from rlhf_lightning.callbacks.signals import StopOnSignal
+from rlhf_lightning.callbacks.traces import RolloutTraces
 from rlhf_lightning.data.offline import OfflineDataModule
 from rlhf_lightning.data.prompts import PromptDataModule
 from rlhf_lightning.learner.teacher import Teacher, check_teacher_tokenizer
@@ -239,6 +240,8 @@ def run_callbacks(cfg: DictConfig, output_dir: Path, extra: list[L.Callback]) ->
         callbacks.append(adapter_export)
     if cfg.samples.every_n_steps > 0:
         callbacks.append(SampleTable(cfg.samples.every_n_steps, output_dir))
+    if cfg.trace.every_n_steps > 0:
+        callbacks.append(RolloutTraces(output_dir=output_dir, **cfg.trace))
     if cfg.trainer.enable_progress_bar:
         callbacks.append(StepProgressBar(leave=True))
     lines_every = cfg.progress.every_n_steps

@@ -55,6 +55,7 @@ SAFE_TO_CHANGE = (
     "checkpoint.",
     "logger.",
     "samples.",
+    "trace.",
     "progress.",
 )
 
@@ -152,7 +153,7 @@ def claim_run_dir(path: Path, *, explicit: bool) -> Path:
 
 # What a run writes into its directory: what ``overwrite=true`` removes (and nothing else).
 RUN_FILES = (CONFIG, ".hydra", "checkpoints", "metrics.csv", "hparams.yaml", "plots.png", "samples.md",
-             "tensorboard", "wandb", "population", "lineage.csv", "server_weights", "servers",
+             "traces.jsonl", "tensorboard", "wandb", "population", "lineage.csv", "server_weights", "servers",
              "train.log")  # fmt: skip
 # What shows that a directory holds a run (a run writes config.yaml once its checkpoint loaded).
 RUN_MARKS = (CONFIG, "checkpoints", "metrics.csv")
