@@ -303,9 +303,7 @@ class TraceConfig:
 
     every_n_steps: int = 0  # trace every this many training steps; 0: off
     episodes: int = 4  # episodes traced per traced step (the step's first ones)
-    # Bound on traces.jsonl in bytes: past it the oldest traced steps are dropped (the newest
-    # kept within half of it; logged once)
-    max_bytes: int = 20_000_000
+    max_bytes: int = 20_000_000  # bound on traces.jsonl: past it the oldest traced steps are dropped
     max_chars: int = 4000  # per text field (a turn's context, reply, ...): head and tail kept; 0: all
 
 
