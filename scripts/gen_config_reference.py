@@ -40,11 +40,16 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from rlhf_lightning.config import algo as algo_config_module
+from rlhf_lightning.config import distill as distill_config_module
 from rlhf_lightning.config import schemas as config_module
 
 ROOT = Path(__file__).resolve().parents[1]
 # The schema modules, in the order their classes appear on the page (after ``Config``).
-CONFIG_SOURCES = (Path(config_module.__file__).resolve(), Path(algo_config_module.__file__).resolve())
+CONFIG_SOURCES = (
+    Path(config_module.__file__).resolve(),
+    Path(algo_config_module.__file__).resolve(),
+    Path(distill_config_module.__file__).resolve(),
+)
 CONF_DIR = ROOT / "conf"
 DEFAULT_OUT = ROOT / "docs" / "reference" / "config.md"
 
@@ -265,7 +270,8 @@ def render(source: str | None = None, conf_dir: Path = CONF_DIR) -> str:
     """The whole reference page (Markdown), ``Config`` first, then the classes in source order."""
     sources = [source] if source is not None else [path.read_text() for path in CONFIG_SOURCES]
     docs = [doc for text in sources for doc in parse_source(text)]
-    classes = {d.name: getattr(config_module, d.name) for d in docs}
+    modules = (config_module, algo_config_module, distill_config_module)
+    classes = {d.name: next(getattr(m, d.name) for m in modules if hasattr(m, d.name)) for d in docs}
     keys = config_keys(classes)
     schemas = schema_classes()
     options = options_by_schema(conf_dir, {group for group, _ in schemas.values()})

@@ -41,6 +41,8 @@ def test_every_yaml_composes_and_resolves(group, option, tiny_path):
         overrides += ["env.kwargs.agent=examples.agent_calc.agent:solve", "env.kwargs.data.path=tasks.jsonl"]
     if (group, option) == ("env", "verifiers"):  # its one required value
         overrides.append("env.kwargs.id=my_env")
+    if (group, option) == ("algo", "distill"):  # its one required value
+        overrides.append("algo.teacher.path=/models/teacher")
     if (group, option) == ("reward", "function"):
         overrides.append("reward.fn=math.sqrt")
     if (group, option) == ("reward", "model"):

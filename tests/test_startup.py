@@ -6,8 +6,8 @@ it takes is measured by ``bench/startup.py``, not here."""
 from __future__ import annotations
 
 import subprocess
-import tempfile
 import sys
+import tempfile
 
 import pytest
 

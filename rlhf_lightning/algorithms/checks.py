@@ -159,6 +159,7 @@ def validate_rollout_algo(a: DictConfig, cfg: DictConfig) -> None:
     check_names_and_batches(a)
     check_clipping(a)
     check_shaping_and_corrections(a, cfg.rollout.max_new_tokens)
+    check_distillation(a)
     if a.use_liger_loss:
         reason = liger_unsupported(a)
         check(
@@ -167,6 +168,27 @@ def validate_rollout_algo(a: DictConfig, cfg: DictConfig) -> None:
             True,
             f"Liger's fused loss does not cover {reason}; set algo.use_liger_loss=false",
         )
+
+
+def check_distillation(a: DictConfig) -> None:
+    """``algo.teacher`` / ``algo.distill``: pure distillation needs its teacher (its model and
+    tokenizer are checked when the run is built, before the student loads)."""
+    teacher, distill = a.get("teacher"), a.get("distill")
+    if teacher is None or distill is None:
+        return
+    check(
+        teacher.path is not None or distill.task_reward,
+        "algo.teacher.path",
+        teacher.path,
+        "a model directory or Hub id with the student's tokenizer: algo.distill.task_reward=false "
+        "(algo=distill) learns from the teacher alone",
+    )
+    check(
+        teacher.path is None or distill.coef >= 0,
+        "algo.distill.coef",
+        distill.coef,
+        ">= 0 (the weight of the reverse KL to the teacher)",
+    )
 
 
 def check_names_and_batches(a: DictConfig) -> None:

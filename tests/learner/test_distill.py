@@ -50,6 +50,20 @@ def test_a_teacher_with_another_tokenizer_is_refused_before_any_model_loads(tmp_
         factories.build(cfg, tmp_path)
 
 
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (["algo=distill"], r"algo\.teacher\.path=None.*learns from the teacher alone"),
+        (["algo.teacher.path=x", "algo.distill.coef=-1"], r"algo\.distill\.coef=-1"),
+    ],
+)
+def test_distillation_without_a_teacher_or_with_a_negative_coef_is_refused(overrides, field):
+    from rlhf_lightning.run.validation import validate
+
+    with pytest.raises(ConfigError, match=field):
+        validate(compose_config([*FAST, *overrides]))
+
+
 def perturbed_teacher(where):
     """The embedded model with its weights moved: the same tokenizer, another distribution."""
     from transformers import AutoModelForCausalLM

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_lightning.config import algo as algo_config_module
+from rlhf_lightning.config import distill as distill_config_module
 from rlhf_lightning.config import schemas as config_module
 from tests.conftest import ROOT
 
@@ -29,12 +30,14 @@ CELL_SPLIT = re.compile(r"(?<!\\)\|")
 
 
 def schema_classes() -> dict[str, type]:
-    """Every dataclass defined in rlhf_lightning/config/schemas.py and config/algo.py, found by introspection."""
+    """Every dataclass defined in rlhf_lightning/config/schemas.py, config/algo.py and
+    config/distill.py, found by introspection."""
+    modules = (config_module, algo_config_module, distill_config_module)
     return {
         name: obj
-        for name, obj in inspect.getmembers(config_module, inspect.isclass)
-        if dataclasses.is_dataclass(obj)
-        and obj.__module__ in (config_module.__name__, algo_config_module.__name__)
+        for module in modules
+        for name, obj in inspect.getmembers(module, inspect.isclass)
+        if dataclasses.is_dataclass(obj) and obj.__module__ in {m.__name__ for m in modules}
     }
 
 
