@@ -215,3 +215,18 @@ def test_the_wandb_logger_gets_a_table_of_the_episodes(default_run, tmp_path):
     trainer.is_global_zero, trainer.global_step = False, 3
     cb.on_train_batch_end(trainer, module, None, None, 1)
     assert len(wandb.tables) == 1 and {r["step"] for r in read_traces(tmp_path / "traces.jsonl")} == {2}
+
+
+def test_traces_are_off_by_default_and_checked(tmp_path):
+    from rlhf_lightning.config.errors import ConfigError
+    from rlhf_lightning.run.factories import run_callbacks
+
+    def traced(*overrides: str) -> list:
+        cfg = compose_config([*FAST, *overrides], output_dir=tmp_path)
+        return [c for c in run_callbacks(cfg, tmp_path, []).all if isinstance(c, RolloutTraces)]
+
+    assert compose_config().trace.every_n_steps == 0 and traced() == []
+    [cb] = traced("trace.every_n_steps=5", "trace.episodes=2", "trace.max_bytes=4096")
+    assert (cb.every_n_steps, cb.episodes, cb.writer.max_bytes) == (5, 2, 4096)
+    with pytest.raises(ConfigError, match=r"trace\.episodes=0"):
+        traced("trace.every_n_steps=1", "trace.episodes=0")
