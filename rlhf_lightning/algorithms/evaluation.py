@@ -18,6 +18,7 @@ import torch
 from rlhf_lightning.algorithms.common import ModuleMixin
 from rlhf_lightning.config.sections import pass_ks
 from rlhf_lightning.data.prompts import PAD_ROW
+from rlhf_lightning.envs.mix import MIX_KEY
 from rlhf_lightning.records.result import RolloutResult
 from rlhf_lightning.records.sampling import SamplingParams
 from rlhf_lightning.rollout.episodes.harness import SUCCESS_KEYS, reward_value, success_flag
@@ -64,6 +65,22 @@ def episode_values(result: RolloutResult, n: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def member_values(
+    result: RolloutResult, values: dict[str, torch.Tensor], names: tuple[str, ...]
+) -> dict[str, torch.Tensor]:
+    """``env=mix``: the per-episode ``accuracy`` and ``return`` of ``values`` split by the member
+    that played each episode (its reset info's ``mix_env``), as ``<name>/accuracy`` and
+    ``<name>/return``; every name of ``names`` is present (empty where no episode was its own).
+    Shape: (episodes of that member,)"""
+    played = [t.task_info.get(MIX_KEY) for t in result.trajectories]
+    out = {}
+    for name in names:
+        mine = torch.tensor([m == name for m in played], dtype=torch.bool)
+        for key in ("accuracy", "return"):
+            out[f"{name}/{key}"] = values[key][mine]
+    return out
+
+
 def info_values(result: RolloutResult, key: str) -> torch.Tensor:
     """Every turn's ``info[key]`` over ``result``'s episodes, where it is a finite number or a
     bool (True counts 1). Shape: (n,)"""
@@ -96,7 +113,8 @@ def global_means(
 
 
 class RolloutEvaluation(ModuleMixin):
-    """Validation loop: ``eval/accuracy_{greedy,sampled}``, ``eval/return_{greedy,sampled}`` and,
+    """Validation loop: ``eval/accuracy_{greedy,sampled}``, ``eval/return_{greedy,sampled}`` (with
+    ``env=mix`` also per member: ``eval/<name>/accuracy_*``, ``eval/<name>/return_*``) and,
     with ``eval_num_samples`` n > 1 sampled completions per problem, ``eval/pass@k`` for k <= n.
 
     Expects ``self.sampling``, ``self.eval_greedy``, ``self.eval_sampled``,
@@ -154,13 +172,22 @@ class RolloutEvaluation(ModuleMixin):
         for name, params in modes:
             n = self.eval_num_samples if name == "sampled" else 1
             result = self.source.generate(rows or [0], params, group_size=n, evaluation=True)
-            for key, values in episode_values(result, n).items():
+            per_episode = episode_values(result, n)
+            for key, values in per_episode.items():
                 metric = f"eval/{key}" if key.startswith("pass@") else f"eval/{key}_{name}"
                 add_total(self._eval_totals, metric, values, counted=not padding)
+            for key, values in member_values(result, per_episode, self.mix_members()).items():
+                add_total(self._eval_totals, f"eval/{key}_{name}", values, counted=not padding)
             for key in self.eval_info_metrics:  # keys from the config: the same on every rank
                 add_total(self._eval_totals, f"eval/env_{key}_{name}", info_values(result, key), not padding)
             if self.eval_info_metrics:  # for the message when a configured key never comes
                 self._eval_info_keys.update(k for t in result.trajectories for info in t.infos for k in info)
+
+    def mix_members(self) -> tuple[str, ...]:
+        """``env=mix``'s member names (from the harness's env factory; none for other envs): the
+        same on every rank, so each rank holds the same ``eval/<name>/*`` keys."""
+        factory = getattr(getattr(self.source, "harness", None), "env_factory", None)
+        return tuple(getattr(factory, "member_names", ()))
 
     def check_info_metrics(self, metrics: dict[str, torch.Tensor]) -> list[str]:
         """Warn (once per key, rank 0) about an ``eval.info_metrics`` key that no evaluation

@@ -60,6 +60,9 @@ def harness_from(cfg: DictConfig, tokenizer: Any, online: bool) -> tuple[Rollout
             reward=training_reward(cfg.reward) if online else None,
         )
         return cast(RolloutHarness, runner), *split_sizes(factory, e.train_size, e.eval_size)
+    check_members = getattr(factory, "check_harness", None)  # env=mix: its members' nodes against env's
+    if callable(check_members):
+        check_members(e)
     train_rows, eval_rows = split_sizes(factory, e.train_size, e.eval_size)
     formatter = ChatFormatter(tokenizer, e.system_prompt, e.apply_chat_template, tools=env_tools(factory))
     check_template(formatter, multi_turn=e.max_turns > 1, history=e.history)
