@@ -7,7 +7,6 @@ from __future__ import annotations
 import csv
 import json
 import pickle
-import shutil
 from fractions import Fraction
 from pathlib import Path
 from typing import Any, ClassVar
@@ -322,43 +321,40 @@ def rows_of(run_dir: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-def test_the_mixs_evaluation_is_its_members_and_a_resume_continues_exactly(tmp_path):
-    args = [*QUICK, "trainer.max_steps=4", "trainer.val_check_interval=2", "checkpoint.every_n_steps=2"]
-    first, resumed = tmp_path / "A", tmp_path / "B"
-    assert run(compose_config([*args, f"output_dir={first}"])).exit_code == 0
+def test_the_mixs_evaluation_is_its_members_and_a_sigkill_resume_continues_exactly(tmp_path):
+    import os
+    import signal
+    import sys
+
+    from rlhf_lightning.run import checkpoint_step
+    from tests.cli_zygote import ZygotePopen
+    from tests.conftest import ROOT
+    from tests.test_resume import assert_continues_exactly, env, wait_for
+
+    args = [*QUICK, "trainer.max_steps=8", "trainer.val_check_interval=2", "checkpoint.every_n_steps=2"]
+    first, killed = tmp_path / "A", tmp_path / "B"
+    assert run(compose_config([*args, "checkpoint.every_n_steps=0", f"output_dir={first}"])).exit_code == 0
     evals = [r for r in rows_of(first) if r.get("eval/accuracy_greedy")]
-    assert len(evals) == 3  # steps 0, 2, 4
+    assert len(evals) == 5  # steps 0, 2, 4, 6, 8
     for r in evals:
-        for mode in ("greedy", "sampled"):
-            # the whole mix's accuracy is the members' over their 6 and 4 eval rows
-            per_member = (
-                6 * float(r[f"eval/add/accuracy_{mode}"]) + 4 * float(r[f"eval/guess/accuracy_{mode}"])
-            ) / 10
-            assert float(r[f"eval/accuracy_{mode}"]) == pytest.approx(per_member, abs=1e-6)
-            ret = (6 * float(r[f"eval/add/return_{mode}"]) + 4 * float(r[f"eval/guess/return_{mode}"])) / 10
-            assert float(r[f"eval/return_{mode}"]) == pytest.approx(ret, abs=1e-6)
-    # resume from the step-2 checkpoint of a copy of the run: every row after it as the first run wrote it
-    shutil.copytree(first, resumed)
-    ckpts = resumed / "checkpoints"
-    shutil.copy(ckpts / "step_000002.ckpt", ckpts / "last.ckpt")
-    (ckpts / "step_000004.ckpt").unlink()
-    lines = (resumed / "metrics.csv").read_text().splitlines(keepends=True)
-    step = lines[0].rstrip("\n").split(",").index("step")
-    (resumed / "metrics.csv").write_text(
-        "".join([lines[0], *(line for line in lines[1:] if int(line.rstrip("\n").split(",")[step]) <= 2)])
+        for mode in (
+            "greedy",
+            "sampled",
+        ):  # the whole mix's values are its members' over their 6 and 4 eval rows
+            for key in ("accuracy", "return"):
+                members = 6 * float(r[f"eval/add/{key}_{mode}"]) + 4 * float(r[f"eval/guess/{key}_{mode}"])
+                assert float(r[f"eval/{key}_{mode}"]) == pytest.approx(members / 10, abs=1e-6)
+    # kill -9 once the step-4 checkpoint exists, then resume: every row after the checkpoint as A wrote it
+    proc = ZygotePopen(
+        [sys.executable, str(ROOT / "train.py"), *args, f"output_dir={killed}"], cwd=tmp_path, env=env()
     )
-    assert run(compose_config([*args, f"output_dir={resumed}", "resume=true"])).exit_code == 0
-    later = [
-        {k: v for k, v in r.items() if not k.startswith("perf/")}
-        for r in rows_of(first)
-        if int(r["step"]) > 2
-    ]
-    again = [
-        {k: v for k, v in r.items() if not k.startswith("perf/")}
-        for r in rows_of(resumed)
-        if int(r["step"]) > 2
-    ]
-    assert later and again == later  # bitwise: every column as written
+    wait_for(killed / "checkpoints" / "step_000004.ckpt", proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    step = checkpoint_step(killed / "checkpoints" / "last.ckpt")
+    assert 2 <= step <= 6  # killed before its end: the resume has steps to redo
+    assert run(compose_config([*args, f"output_dir={killed}", "resume=true"])).exit_code == 0
+    assert_continues_exactly(first, killed, after=step)
 
 
 def test_a_sweep_over_the_weights_runs_each_mix(tmp_path):
