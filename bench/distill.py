@@ -60,12 +60,22 @@ def main() -> None:
         wall = train(teacher_run, f"trainer.max_steps={a.teacher_steps}", "trainer.val_check_interval=300")
         print(f"teacher trained in {wall:.0f} s", flush=True)
         subprocess.run(
-            [sys.executable, "-m", "rlhf_lightning.export", str(teacher_run), "--out", str(teacher_model), "--merge"],
+            [
+                sys.executable,
+                "-m",
+                "rlhf_lightning.export",
+                str(teacher_run),
+                "--out",
+                str(teacher_model),
+                "--merge",
+            ],
             cwd=ROOT,
             check=True,
         )
     teacher = evals(read_metrics(teacher_run))[-1]
-    print(f"teacher ({a.teacher_steps} GRPO updates): sampled {teacher['sampled']:.3f}, greedy {teacher['greedy']:.3f}")
+    print(
+        f"teacher ({a.teacher_steps} GRPO updates): sampled {teacher['sampled']:.3f}, greedy {teacher['greedy']:.3f}"
+    )
     budget = [f"trainer.max_steps={a.steps}", f"trainer.val_check_interval={a.every}"]
     curves, walls = {}, {}
     for name, overrides in (
@@ -83,9 +93,15 @@ def main() -> None:
     s_distill = first_step(curves["distill"], goal)
     s_grpo = first_step(curves["grpo"], goal)
     shown = {k: "never" if v is None else str(int(v)) for k, v in (("d", s_distill), ("g", s_grpo))}
-    print(f"\nwithin 0.03 of the teacher (sampled >= {goal:.3f}): distill at step {shown['d']}, GRPO at {shown['g']}")
+    print(
+        f"\nwithin 0.03 of the teacher (sampled >= {goal:.3f}): distill at step {shown['d']}, GRPO at {shown['g']}"
+    )
     if a.plot is not None:
-        plot({f"{k} (student)": v for k, v in curves.items()}, a.plot, "On-policy distillation vs GRPO, same start")
+        plot(
+            {f"{k} (student)": v for k, v in curves.items()},
+            a.plot,
+            "On-policy distillation vs GRPO, same start",
+        )
         print(f"plot: {a.plot}")
 
 
