@@ -54,6 +54,27 @@ def load_agent(path: str) -> Callable[..., Any]:
     return fn
 
 
+def check_runner_settings(other_calls: str, batching: str) -> None:
+    """The endpoint runner's own ``env.kwargs`` (``other_calls``, ``batching``), named when bad."""
+    if other_calls not in ("train", "exclude"):
+        raise ConfigError("env.kwargs.other_calls", other_calls, "train or exclude")
+    if batching not in ("rounds", "window"):
+        raise ConfigError("env.kwargs.batching", batching, "rounds or window")
+
+
+def require_extra(
+    field: str, value: Any, extra: str, modules: tuple[str, ...] = ("openai", "aiohttp")
+) -> None:
+    """Refuse ``field=value`` when a module the endpoint's agents need is missing, naming the extra."""
+    for needed in modules:
+        if importlib.util.find_spec(needed) is None:
+            raise ConfigError(
+                field,
+                value,
+                f'the {extra} extra installed: pip install -e ".[{extra}]" ({needed} is missing)',
+            )
+
+
 def check_result(value: Any) -> tuple[float, dict[str, float]]:
     """An agent's return value as (reward, numeric infos); anything else is refused, naming it."""
     if isinstance(value, dict):
@@ -114,17 +135,8 @@ class AgentEnv:
     def __init__(
         self, agent: str, data: dict[str, Any], other_calls: str = "train", batching: str = "rounds"
     ) -> None:
-        if other_calls not in ("train", "exclude"):
-            raise ConfigError("env.kwargs.other_calls", other_calls, "train or exclude")
-        if batching not in ("rounds", "window"):
-            raise ConfigError("env.kwargs.batching", batching, "rounds or window")
-        for needed in ("openai", "aiohttp"):
-            if importlib.util.find_spec(needed) is None:
-                raise ConfigError(
-                    AGENT_FIELD,
-                    agent,
-                    f'the agent extra installed: pip install -e ".[agent]" ({needed} is missing)',
-                )
+        check_runner_settings(other_calls, batching)
+        require_extra(AGENT_FIELD, agent, "agent")
         load_agent(agent)  # a bad path fails before any model loads
         self.agent, self.other_calls, self.batching = agent, other_calls, batching
         try:

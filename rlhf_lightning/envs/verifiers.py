@@ -51,7 +51,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rlhf_lightning.config.errors import ConfigError
-from rlhf_lightning.envs.agent import AgentEnv
+from rlhf_lightning.envs.agent import AgentEnv, check_runner_settings, require_extra
 from rlhf_lightning.envs.dataset_splits import holdout
 
 ID_FIELD = "env.kwargs.id"
@@ -85,21 +85,12 @@ class VerifiersEnv(AgentEnv):
         other_calls: str = "train",
         batching: str = "rounds",
     ) -> None:
-        if other_calls not in ("train", "exclude"):
-            raise ConfigError("env.kwargs.other_calls", other_calls, "train or exclude")
-        if batching not in ("rounds", "window"):
-            raise ConfigError("env.kwargs.batching", batching, "rounds or window")
+        check_runner_settings(other_calls, batching)
         if sys.version_info < (3, 11) or importlib.util.find_spec("verifiers") is None:
             raise ConfigError(
                 ID_FIELD, id, 'the verifiers extra installed (Python 3.11+): pip install -e ".[verifiers]"'
             )
-        for needed in ("openai", "aiohttp"):
-            if importlib.util.find_spec(needed) is None:
-                raise ConfigError(
-                    ID_FIELD,
-                    id,
-                    f'the verifiers extra installed: pip install -e ".[verifiers]" ({needed} is missing)',
-                )
+        require_extra(ID_FIELD, id, "verifiers")
         if not 0.0 < eval_fraction < 1.0:
             raise ConfigError("env.kwargs.eval_fraction", eval_fraction, "between 0 and 1 (exclusive)")
         from rlhf_lightning.envs.verifiers_worker import question, taskset_tasks
