@@ -170,6 +170,9 @@ def validate_rollout_algo(a: DictConfig, cfg: DictConfig) -> None:
         )
 
 
+DISTILL_ESTIMATORS = ("sampled", "full")
+
+
 def check_distillation(a: DictConfig) -> None:
     """``algo.teacher`` / ``algo.distill``: pure distillation needs its teacher (its model and
     tokenizer are checked when the run is built, before the student loads)."""
@@ -188,6 +191,13 @@ def check_distillation(a: DictConfig) -> None:
         "algo.distill.coef",
         distill.coef,
         ">= 0 (the weight of the reverse KL to the teacher)",
+    )
+    check(
+        distill.get("estimator", "sampled") in DISTILL_ESTIMATORS,
+        "algo.distill.estimator",
+        distill.get("estimator"),
+        f"one of {', '.join(DISTILL_ESTIMATORS)} (sampled: the sampled token's log-ratio in the advantages; "
+        "full: the exact KL over the vocabulary as a loss term)",
     )
 
 

@@ -22,5 +22,9 @@ class TeacherConfig:
 
 @dataclass
 class DistillConfig:
-    coef: float = 1.0  # weight of the per-token reverse KL in the advantages
+    coef: float = 1.0  # weight of the per-token reverse KL (in the advantages; estimator=full: in the loss)
     task_reward: bool = True  # false: pure distillation (the task's advantages are dropped)
+    # sampled: log pi_s(y) - log pi_t(y) at each sampled token, in the advantages (one teacher pass
+    # a batch); full: the exact KL(pi_s || pi_t) over the vocabulary at each token, a loss term (a
+    # teacher pass in every update micro-batch; one tokenizer, the chunked op: no (N, V) logits)
+    estimator: str = "sampled"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from rlhf_lightning.learner.plan import UpdatePlan, no_grad_head
 from rlhf_lightning.learner.records import Metrics, Scored, UpdateInputs
 from rlhf_lightning.learner.scoring import Scorer
 from rlhf_lightning.learner.stepper import Stepper
+from rlhf_lightning.learner.teacher import distills_full_kl
 from rlhf_lightning.records.trajectory import TrajectoryBatch
 
 
@@ -107,6 +109,7 @@ class Learner:
                 max_len=hp.max_len_norm or member.sampling.max_new_tokens,
                 world_size=self.world_size,
                 liger=use_liger(hp, self.device),
+                teacher=None if self.teacher is None else self.teacher.policy,
             )
         return member.objectives["loss"]
 
@@ -147,7 +150,7 @@ class Learner:
         old_logp = self.old_logprobs(traj, member, stale=stale)
         ref_logp = self.logprobs(traj, member, reference=True) if member.hp.beta > 0 else None
         teacher_logp = None
-        if self.teacher is not None and member.hp.distill.coef != 0:
+        if self.teacher is not None and member.hp.distill.coef != 0 and not distills_full_kl(member.hp):
             self.report("teacher scoring")
             hp = member.hp
             teacher_logp = self.teacher.logprobs(
@@ -187,14 +190,18 @@ class Learner:
         step = UpdateInputs(traj, scored, scored.old_logp, scored.ref_logp, objective, plan.row_lengths(traj))
         # Rows whose advantage is 0 everywhere add no gradient unless a KL loss term is used.
         seq_adv = (scored.adv if scored.adv.dim() == 1 else (scored.adv * mask).abs().sum(-1)) * mask.any(-1)
-        skip_zero = not (hp.beta > 0 and hp.kl_mode == "loss") and family.can_skip_zero_advantage(hp)
+        full_kl = self.teacher is not None and distills_full_kl(hp)
+        loss_terms = (hp.beta > 0 and hp.kl_mode == "loss") or full_kl  # gradient beside the advantage
+        skip_zero = not loss_terms and family.can_skip_zero_advantage(hp)
         minis = plan.mini_batch_count(n, self.device)
         acc = MetricAccumulator()
-        for epoch in range(plan.update_epochs):
-            for j, mb in enumerate(plan.epoch_batches(n, minis, self.device)):
-                self.report(f"update {epoch * minis + j + 1}/{plan.update_epochs * minis}")
-                run = mb[seq_adv[mb] != 0] if skip_zero else mb
-                self.mini_batch_step(step, member, mb, run, plan.mini(n), acc)
+        # the full-vocabulary KL runs the teacher in every micro-batch: on the device for the update
+        with self.teacher.on(self.device) if full_kl else nullcontext():
+            for epoch in range(plan.update_epochs):
+                for j, mb in enumerate(plan.epoch_batches(n, minis, self.device)):
+                    self.report(f"update {epoch * minis + j + 1}/{plan.update_epochs * minis}")
+                    run = mb[seq_adv[mb] != 0] if skip_zero else mb
+                    self.mini_batch_step(step, member, mb, run, plan.mini(n), acc)
         out = acc.result()
         out["actor/lr"] = torch.tensor(self.stepper.scheduler(member.optimizer).get_last_lr()[0])
         out["actor/skipped_rows_frac"] = (seq_adv == 0).float().mean() if skip_zero else torch.zeros(())

@@ -17,6 +17,7 @@ import torch
 from rlhf_lightning.config.algo import registered_name
 from rlhf_lightning.learner.objective import Backward, MicroBatch
 from rlhf_lightning.learner.records import Metrics
+from rlhf_lightning.learner.teacher import distills_full_kl
 from rlhf_lightning.losses.corrections import truncated_importance_weights
 from rlhf_lightning.models.policy import Policy
 from rlhf_lightning.ops.liger import (
@@ -48,6 +49,8 @@ def liger_unsupported(hp: Any) -> str | None:
         return "algo.clip_low must be null for CISPO (Liger's CISPO has no lower bound)"
     if loss == "gspo" and (hp.is_level != "sequence" or hp.is_pooling != "mean"):
         return "GSPO with turn-level or product pooling"
+    if distills_full_kl(hp):
+        return "algo.distill.estimator=full (the teacher's KL is a term of our objective)"
     if hp.clip_ratio_c is not None:
         return "algo.clip_ratio_c (dual clip)"
     if hp.beta > 0 and (hp.kl_mode != "loss" or hp.kl_estimator != "k3" or hp.kl_clamp is not None):

@@ -150,6 +150,17 @@ class KLTerm:
         return self.beta * term, metrics
 
 
+@dataclass(frozen=True)
+class TeacherKLTerm:
+    """On-policy distillation with the exact reverse KL (``algo.distill.estimator=full``):
+    ``coef * KL(pi_student || pi_teacher)`` over the whole vocabulary at each token the
+    student generated, a loss term with its own gradient (not a REINFORCE advantage).
+    ``teacher``: the teacher's policy, on the trainer's device for the update."""
+
+    coef: float
+    teacher: Policy
+
+
 class CriticTerm:
     """PPO's clipped value loss over steps, normalised by the window's step count; the targets
     arrive with each micro-batch (``mb.critic``)."""
@@ -192,6 +203,7 @@ class PolicyObjective:
         entropy_coef: entropy bonus weight (0: no entropy is computed).
         tis_cap: truncated importance weights trainer/engine (None: off).
         critic: a critic term trained in the same micro-step, or None.
+        teacher_kl: on-policy distillation's exact reverse-KL term, or None.
     """
 
     def __init__(
@@ -206,8 +218,10 @@ class PolicyObjective:
         entropy_coef: float = 0.0,
         tis_cap: float | None = None,
         critic: CriticTerm | None = None,
+        teacher_kl: TeacherKLTerm | None = None,
     ) -> None:
         self.term, self.agg_mode, self.max_len = term, agg_mode, max_len
+        self.teacher_kl = teacher_kl
         self.temperature, self.chunk_rows = temperature, chunk_rows
         self.kl_term, self.entropy_coef, self.tis_cap, self.critic = kl_term, entropy_coef, tis_cap, critic
 
@@ -225,7 +239,12 @@ class PolicyObjective:
                 raise RuntimeError("actor=False needs a critic term")
             return self.critic(policy, mb, norm, backward, actor=False)
         heads = ("logp", "entropy") if self.entropy_coef > 0 else ("logp",)
-        out = policy.forward_heads(mb.sub, heads, temperature=self.temperature, chunk_rows=self.chunk_rows)
+        teacher = None
+        if self.teacher_kl is not None:
+            heads, teacher = (*heads, "teacher_kl"), self.teacher_kl.teacher
+        out = policy.forward_heads(
+            mb.sub, heads, temperature=self.temperature, chunk_rows=self.chunk_rows, teacher=teacher
+        )
         logp, mask = out["logp"], mb.mask
         old = logp.detach() if mb.old_logp is None else mb.old_logp  # on-policy: ratio 1
         per_token, m = self.term(logp, old, mb.adv, mask, mb.sub.turn_ids)
@@ -239,6 +258,9 @@ class PolicyObjective:
             kl_tokens, km = self.kl_term(logp, mb.ref_logp, old, mask)
             per_token = per_token + kl_tokens
             metrics.update(km)
+        if self.teacher_kl is not None:
+            per_token = per_token + self.teacher_kl.coef * out["teacher_kl"]
+            metrics["distill/reverse_kl"] = masked_mean(out["teacher_kl"].detach(), mask)
         if "entropy" in out:
             per_token = per_token - self.entropy_coef * out["entropy"]
             metrics["actor/entropy"] = masked_mean(out["entropy"].detach(), mask)

@@ -7,7 +7,16 @@ from collections.abc import Callable
 
 from rlhf_lightning.config.algo import RolloutAlgoConfig
 from rlhf_lightning.learner.liger_path import LigerObjective
-from rlhf_lightning.learner.objective import CriticTerm, KLTerm, Objective, PolicyObjective, PolicyTerm
+from rlhf_lightning.learner.objective import (
+    CriticTerm,
+    KLTerm,
+    Objective,
+    PolicyObjective,
+    PolicyTerm,
+    TeacherKLTerm,
+)
+from rlhf_lightning.learner.teacher import distills_full_kl
+from rlhf_lightning.models.policy import Policy
 
 
 def build_objective(
@@ -20,6 +29,7 @@ def build_objective(
     max_len: int,
     world_size: int,
     liger: bool,
+    teacher: Policy | None = None,
 ) -> Objective:
     """Liger's fused kernel (``liger``) or our :class:`PolicyObjective`.
 
@@ -32,6 +42,7 @@ def build_objective(
         temperature: the sampling temperature the log-probs are taken at.
         max_len: ``seq_mean_token_sum_norm``'s constant.
         world_size: ranks the gradient is averaged over (Liger's normalisers).
+        teacher: the distillation teacher's policy (used with ``algo.distill.estimator=full``).
     """
     # Truncated importance weights correct trainer/engine mismatch; with the engine's own
     # log-probs as the behaviour ones there is nothing to correct.
@@ -58,4 +69,7 @@ def build_objective(
         entropy_coef=entropy_coef,
         tis_cap=tis_cap,
         critic=critic,
+        teacher_kl=TeacherKLTerm(hp.distill.coef, teacher)
+        if teacher is not None and distills_full_kl(hp)
+        else None,
     )

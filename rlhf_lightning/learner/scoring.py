@@ -20,6 +20,7 @@ import torch
 
 from rlhf_lightning.config.algo import RolloutAlgoConfig
 from rlhf_lightning.learner.records import Advantages, Metrics, Scored
+from rlhf_lightning.learner.teacher import distills_full_kl
 from rlhf_lightning.losses import kl
 from rlhf_lightning.losses.corrections import offpolicy_mask, overlong_penalty
 from rlhf_lightning.losses.kl import kl_penalized_returns, kl_shaped_advantages
@@ -56,6 +57,8 @@ class Scorer:
         distill_coef: on-policy distillation's weight (0: off; it needs the teacher's log-probs).
         distill_task_reward: keep the task's advantages beside the distillation term (False:
             pure distillation).
+        distill_full: the distillation term is the objective's exact KL, not an advantage (only
+            ``distill_task_reward=False`` acts here: the task's advantages are dropped).
     """
 
     max_new_tokens: int
@@ -71,6 +74,7 @@ class Scorer:
     offpolicy_seq_threshold: float | None = None
     distill_coef: float = 0.0
     distill_task_reward: bool = True
+    distill_full: bool = False
 
     @classmethod
     def from_hp(cls, hp: RolloutAlgoConfig, max_new_tokens: int, per_token_kl_reward: bool) -> Scorer:
@@ -90,6 +94,7 @@ class Scorer:
             offpolicy_seq_threshold=hp.offpolicy_seq_threshold,
             distill_coef=float(hp.distill.coef) if hp.teacher.path is not None else 0.0,
             distill_task_reward=bool(hp.distill.task_reward),
+            distill_full=distills_full_kl(hp),
         )
 
     def __call__(
@@ -130,7 +135,9 @@ class Scorer:
         metrics.update(found.metrics)
         if kl_tokens is not None and self.kl_mode == "advantage":
             adv = kl_shaped_advantages(adv, kl_tokens, traj.action_mask, self.beta)
-        if teacher_logp is not None and self.distill_coef != 0:
+        if self.distill_full and not self.distill_task_reward:
+            adv = torch.zeros_like(adv)  # pure distillation: the objective's KL term alone
+        elif teacher_logp is not None and self.distill_coef != 0:
             behaviour = old_logp if old_logp is not None else traj.sampling_logps
             adv, m = distilled_advantages(
                 adv, behaviour, teacher_logp, traj.action_mask, self.distill_coef, self.distill_task_reward

@@ -28,6 +28,14 @@ from rlhf_lightning.records.trajectory import TrajectoryBatch
 FIELD = "algo.teacher.path"
 
 
+def distills_full_kl(hp: Any) -> bool:
+    """``hp`` distils with the exact full-vocabulary KL as a loss term (``algo.distill.estimator=full``)."""
+    teacher, distill = getattr(hp, "teacher", None), getattr(hp, "distill", None)
+    if teacher is None or distill is None:
+        return False
+    return teacher.path is not None and distill.coef != 0 and distill.estimator == "full"
+
+
 def tokenizer_mismatch(student: Any, teacher: Any) -> str | None:
     """Why ``teacher``'s token ids do not mean what ``student``'s do (None: they do): the vocab,
     token for id, and the special tokens the episodes use."""

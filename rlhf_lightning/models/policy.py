@@ -22,12 +22,21 @@ from rlhf_lightning.models.prompt_sharing import (
 )
 from rlhf_lightning.models.sharding import is_sharded, shard_causal_lm
 from rlhf_lightning.ops.logprobs import chunked_logprobs
+from rlhf_lightning.ops.reverse_kl import chunked_reverse_kl
 
 if TYPE_CHECKING:
     from rlhf_lightning.records.trajectory import TrajectoryBatch
 
 # cache_kwarg and output_cache live in models/prompt_sharing.py; rollout/engines/hf.py imports them from here.
 __all__ = ["Policy", "cache_kwarg", "output_cache", "parameter_roles", "shared_prefix_hidden"]
+
+
+def scatter_rows(action_mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Per-action-row values (row-major over ``action_mask``) back in place, 0 elsewhere.
+    Shapes: action_mask (B, T); rows (N,); out (B, T)"""
+    return torch.zeros(action_mask.shape, dtype=rows.dtype, device=rows.device).masked_scatter(
+        action_mask, rows
+    )
 
 
 def parameter_roles(
@@ -269,6 +278,20 @@ class Policy(nn.Module):
             prefix_ids=prefix_ids,
             position_ids=position_ids,
         )
+        return self.rows_logprobs(rows, head, input_ids, action_mask, temperature, chunk_rows, return_entropy)
+
+    @staticmethod
+    def rows_logprobs(
+        rows: torch.Tensor,
+        head: Any,
+        input_ids: torch.Tensor,
+        action_mask: torch.Tensor,
+        temperature: float = 1.0,
+        chunk_rows: int | None = None,
+        return_entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`token_logprobs` from the hidden rows :meth:`action_hidden` gave.
+        Shapes: rows (N, H); input_ids (B, L); action_mask (B, L-1); out (B, L-1) each."""
         targets = input_ids[:, 1:][action_mask]  # (N,)
         out = chunked_logprobs(
             rows,
@@ -280,9 +303,8 @@ class Policy(nn.Module):
             return_entropy=return_entropy,
         )
         logp_rows, ent_rows = out if isinstance(out, tuple) else (out, None)
-        logp = torch.zeros(action_mask.shape, dtype=logp_rows.dtype, device=logp_rows.device)
-        logp = logp.masked_scatter(action_mask, logp_rows)
-        entropy = None if ent_rows is None else torch.zeros_like(logp).masked_scatter(action_mask, ent_rows)
+        logp = scatter_rows(action_mask, logp_rows)
+        entropy = None if ent_rows is None else scatter_rows(action_mask, ent_rows)
         return logp, entropy
 
     def forward_heads(
@@ -293,33 +315,59 @@ class Policy(nn.Module):
         temperature: float = 1.0,
         chunk_rows: int | None = None,
         reference: bool = False,
+        teacher: Policy | None = None,
     ) -> dict[str, torch.Tensor]:
         """One call for what a (micro-)batch of trajectories needs from the model.
 
         ``heads``: any of ``logp`` and ``entropy`` (one actor pass, or the reference's with
-        ``reference=True``) and ``value`` (the critic's pass). Each comes back Shape: (B, L-1),
-        0 outside the action tokens.
+        ``reference=True``), ``teacher_kl`` (the exact reverse KL from this pass's distribution to
+        ``teacher``'s over the whole vocabulary, :func:`chunked_reverse_kl`; the teacher's body
+        runs without gradients on the same rows) and ``value`` (the critic's pass). Each comes
+        back Shape: (B, L-1), 0 outside the action tokens.
         """
-        unknown = set(heads) - {"logp", "entropy", "value"}
+        unknown = set(heads) - {"logp", "entropy", "teacher_kl", "value"}
         if unknown:
-            raise ValueError(f"unknown heads {sorted(unknown)}; valid: logp, entropy, value")
+            raise ValueError(f"unknown heads {sorted(unknown)}; valid: logp, entropy, teacher_kl, value")
+        if "teacher_kl" in heads and teacher is None:
+            raise ValueError("the teacher_kl head needs the teacher's policy (teacher=)")
         out: dict[str, torch.Tensor] = {}
-        if "logp" in heads or "entropy" in heads:
-            logp, entropy = self.token_logprobs(
+        if {"logp", "entropy", "teacher_kl"} & set(heads):
+            rows, head = self.action_hidden(
                 sub.input_ids,
                 sub.attention_mask,
                 sub.action_mask,
-                temperature=temperature,
-                chunk_rows=chunk_rows,
                 reference=reference,
-                return_entropy="entropy" in heads,
                 prompt_lens=sub.prompt_lens,
                 prefix_ids=sub.prefix_ids,
                 position_ids=sub.position_ids,
             )
+            logp, entropy = self.rows_logprobs(
+                rows, head, sub.input_ids, sub.action_mask, temperature, chunk_rows, "entropy" in heads
+            )
             out["logp"] = logp
             if entropy is not None:
                 out["entropy"] = entropy
+            if teacher is not None and "teacher_kl" in heads:
+                with torch.no_grad():
+                    t_rows, t_head = teacher.action_hidden(
+                        sub.input_ids,
+                        sub.attention_mask,
+                        sub.action_mask,
+                        prompt_lens=sub.prompt_lens,
+                        prefix_ids=sub.prefix_ids,
+                        position_ids=sub.position_ids,
+                    )
+                kl_rows = chunked_reverse_kl(
+                    rows,
+                    head.weight,
+                    t_rows,
+                    t_head.weight,
+                    head.bias,
+                    t_head.bias,
+                    temperature=temperature,
+                    chunk_rows=chunk_rows,
+                )
+                out["teacher_kl"] = scatter_rows(sub.action_mask, kl_rows)
         if "value" in heads:
             out["value"] = self.values(
                 sub.input_ids,
