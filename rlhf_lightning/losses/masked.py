@@ -21,6 +21,17 @@ def masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(filled), filled, torch.zeros_like(filled))
 
 
+def masked_min(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Min of ``x`` over ``mask`` (0 when the mask is empty)."""
+    return -masked_max(-x, mask)
+
+
+def masked_std(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Population standard deviation of ``x`` over ``mask`` (0 when the mask is empty)."""
+    mean = masked_mean(x, mask)
+    return masked_mean((x - mean) ** 2, mask).sqrt()
+
+
 def broadcast_advantages(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Per-sequence ``(B,)`` advantages broadcast over tokens to ``(B, T)``; ``(B, T)`` passes."""
     return advantages.unsqueeze(-1).expand_as(like) if advantages.dim() == 1 else advantages

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from rlhf_lightning.losses.masked import broadcast_advantages, masked_max, masked_mean
+from rlhf_lightning.losses.masked import broadcast_advantages, masked_max, masked_mean, masked_min, masked_std
 from rlhf_lightning.runtime.registry import Registry
 
 PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -78,6 +78,8 @@ def _ratio_metrics(ratio: torch.Tensor, clipped: torch.Tensor, mask: torch.Tenso
         "clipfrac": masked_mean(clipped.to(ratio.dtype), mask),
         "ratio_mean": masked_mean(ratio, mask),
         "ratio_max": masked_max(ratio, mask),
+        "ratio_min": masked_min(ratio, mask),
+        "ratio_std": masked_std(ratio, mask),  # the spread: 0 on-policy, where every ratio is 1
     }
 
 

@@ -81,7 +81,7 @@ def test_token_objective_value_and_gradient(name, kwargs, ref, per_token_adv):
     torch.testing.assert_close(loss.detach(), value, rtol=0, atol=1e-10)
     (grad,) = torch.autograd.grad((loss * mask).sum(), logp)
     torch.testing.assert_close(grad, grad_ref, rtol=0, atol=1e-10)
-    for key in ("clipfrac", "ratio_mean", "ratio_max"):
+    for key in ("clipfrac", "ratio_mean", "ratio_max", "ratio_min", "ratio_std"):
         assert key in metrics and not metrics[key].requires_grad
 
 
@@ -151,6 +151,10 @@ def test_ppo_clipfrac_counts_tokens_whose_gradient_is_clipped():
     assert m["clipfrac"].item() == pytest.approx(2 / 3)
     assert m["ratio_max"].item() == pytest.approx(1.5)
     assert m["ratio_mean"].item() == pytest.approx((1.5 + 0.5 + 1.1) / 3)
+    assert m["ratio_min"].item() == pytest.approx(0.5)  # the masked token's 0.7 does not count
+    mean = (1.5 + 0.5 + 1.1) / 3
+    spread = (((1.5 - mean) ** 2 + (0.5 - mean) ** 2 + (1.1 - mean) ** 2) / 3) ** 0.5
+    assert m["ratio_std"].item() == pytest.approx(spread, abs=1e-12)
 
 
 def test_registry_lists_names_and_rejects_duplicates():
