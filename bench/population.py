@@ -1,31 +1,42 @@
-"""Evolution against a search at equal compute: member updates to a target held-out accuracy.
+"""Evolution against a search at equal compute, judged by the best held-out accuracy at the end,
+with the member updates to a target accuracy beside it.
 
-    .venv/bin/python bench/population.py --seeds 0 1 2 --plot docs/population_vs_optuna.png   # ~1.5 h on 2 cores
+    .venv/bin/python bench/population.py --seeds 0 1 2 --parallel 1 --plot docs/population_final_best.png   # ~1.5 h on 2 cores
 
-Two arms on the default arithmetic task (tiny model, GRPO, 16 prompts x 8 per step), over the
-same space: ``lr`` log-uniform in [1e-5, 1e-2] and the training ``temperature`` uniform in
-[``--temp-low``, ``--temp-high``] (a value whose best changes as training sharpens the policy).
-Both draw their starts from that prior; neither gets a hand-picked value.
+Three arms on the default arithmetic task (tiny model, GRPO, 16 prompts x 8 per step), over the
+same space: ``lr`` log-uniform in [1e-5, 1e-2], the training ``temperature`` uniform in
+[``--temp-low``, ``--temp-high``] and the cosine schedule's end ``min_lr_ratio`` (the share of lr
+it decays to) uniform in [``--decay-low``, 1]: the best learning rate falls as training goes on
+(the tuned default decays 1e-3 to 1e-4), so a search, which fixes one value per trial, can only
+follow it through the schedule's decay, and a population can mutate both as it trains. All arms
+draw their starts from that prior; none gets a hand-picked value.
 
 - **population**: one run of ``--members`` LoRA members side by side (one rollout for all, an
   update of each per population step), each member's start drawn from the prior
   (``population.init=sample``); every ``--evolve-every`` population steps every member is scored
   on the first ``--eval-rows`` held-out problems at temperature 1 (``population.fitness``), the
   least fit quarter replaced by clones of the fittest (``population.selection=truncation``),
-  whose lr or temperature is perturbed (x2 / 1.2) or, one time in four, resampled from the prior.
+  whose lr, temperature or decay is perturbed (x2, x1.2, x1.5) or, one time in four, resampled.
+- **mf_pbt**: the same, with ``population.schedule=mf_pbt``: the members split into
+  sub-populations evolving every ``--mf-intervals`` rounds of ``--evolve-every`` steps, with
+  migration between them (``rlhf_lightning/population/multi_frequency.py``).
 - **optuna**: a seeded TPE search whose trials are full runs of ``--trial-steps`` steps, evaluated
   on the same held-out problems every ``--evolve-every`` steps; the median pruner stops a trial
   whose evaluation is below the median of earlier trials at that step (as a user would run it),
   and the search goes on with new trials until it has spent its budget.
 
-Equal compute: both arms get ``--trials x --trial-steps`` member updates (optimizer steps of all
-members together, or of all trials together): the population runs that many divided by
-``--members`` population steps. Steps to target: the member updates spent when an evaluation
-first reaches ``--target`` (the population: all members' updates at that scoring; the search:
-every earlier trial's steps, pruned ones as far as they ran, plus the hitting trial's). Evaluation
-episodes are not counted in either arm; wall time (model loading and evaluation included) is
-reported beside. Each (arm, seed) runs in its own process, ``--parallel`` at a time with one
-thread each.
+Equal compute: every arm gets ``--trials x --trial-steps`` member updates (optimizer steps of all
+members together, or of all trials together, pruned ones as far as they ran), and every arm runs
+its whole budget (:func:`accounting`). **Final best**: the population's fittest member at its
+last scoring, which is at the end of the budget; the search's best final evaluation among its
+complete (unpruned) trials, the model a search hands over (Optuna's ``best_trial``). Both are
+chosen and measured on the same ``--eval-rows`` problems, the population's among ``--members``
+members, the search's among its complete trials. **Updates to target**: the member updates spent
+when an evaluation first reaches ``--target`` (the population: all members' updates at that
+scoring; the search: every earlier trial's steps, pruned ones as far as they ran, plus the
+hitting trial's). Evaluation episodes are not counted in any arm; wall time (model loading and
+evaluation included) is reported beside. Each (arm, seed) runs in its own process,
+``--parallel`` at a time with one thread each.
 """
 
 from __future__ import annotations
@@ -46,6 +57,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 LR_LOW, LR_HIGH = 1e-5, 1e-2
+POPULATIONS = ("population", "mf_pbt")  # the arms that are one population run
 
 
 def budget(args: argparse.Namespace) -> tuple[int, int]:
@@ -79,6 +91,49 @@ def search_steps_to_target(trials: list[dict[str, Any]], target: float) -> int |
             return spent + hit
         spent += t["ran"]
     return None
+
+
+def next_trial_steps(budget_updates: int, trial_steps: int, ran: list[int]) -> int:
+    """The next search trial's length: ``trial_steps``, or what is left of the budget after the
+    trials so far ran (pruned ones as far as they ran); 0 when it is spent."""
+    return max(min(trial_steps, budget_updates - sum(ran)), 0)
+
+
+def accounting(result: dict[str, Any]) -> dict[str, int]:
+    """The member updates an arm spent against its budget. A population: its population steps
+    x its members (one update of each per step). The search: every trial's steps as far as it
+    ran, pruned ones included (``pruned_updates`` of them); ``complete``: trials that ran to
+    their end and so count for the final best."""
+    if result["arm"] == "optuna":
+        trials = result["trials"]
+        pruned = [t["ran"] for t in trials if t["pruned"]]
+        return {"budget": result["budget"], "spent": sum(t["ran"] for t in trials), "trials": len(trials),
+                "complete": len(trials) - len(pruned), "pruned": len(pruned), "pruned_updates": sum(pruned)}  # fmt: skip
+    spent = result["population_steps_run"] * result["members"]
+    return {
+        "budget": result["budget"],
+        "spent": spent,
+        "trials": 0,
+        "complete": 0,
+        "pruned": 0,
+        "pruned_updates": 0,
+    }
+
+
+def final_best_population(curve: list[tuple[int, float]], budget_updates: int) -> float | None:
+    """The fittest member's held-out accuracy at the scoring at the end of the budget (None: the
+    run has no scoring there)."""
+    return next((best for updates, best in curve if updates == budget_updates), None)
+
+
+def final_best_search(trials: list[dict[str, Any]]) -> tuple[float | None, int | None]:
+    """The best last evaluation of a complete (unpruned) trial, and that trial's index (ties:
+    the earlier): the model the search hands over. (None, None) without one."""
+    ends = [(t["curve"][-1][1], -i) for i, t in enumerate(trials) if not t["pruned"] and t["curve"]]
+    if not ends:
+        return None, None
+    value, i = max(ends)
+    return value, -i
 
 
 # What a benchmark run needs none of: evaluation outside its own, checkpoints, exports, sample
@@ -144,26 +199,24 @@ def clock(t0: float) -> Any:
 
 
 def space(args: argparse.Namespace) -> str:
-    """``population.mutate``: the space both arms draw from (lr log-uniform, temperature uniform)."""
+    """``population.mutate``: the space every arm draws from (lr log-uniform, temperature and the
+    schedule's decay uniform)."""
     return (
         f"{{lr:{{low:{LR_LOW},high:{LR_HIGH},scale:2.0}},"
-        f"temperature:{{low:{args.temp_low},high:{args.temp_high},scale:1.2}}}}"
+        f"temperature:{{low:{args.temp_low},high:{args.temp_high},scale:1.2}},"
+        f"min_lr_ratio:{{low:{args.decay_low},high:1.0,scale:1.5,prior:uniform}}}}"
     )
 
 
-def population_arm(args: argparse.Namespace, seed: int, out: Path) -> dict[str, Any]:
-    import lightning as L
-
+def population_arm(args: argparse.Namespace, seed: int, out: Path, schedule: str) -> dict[str, Any]:
+    """One population run of the whole budget (``schedule``: ``pbt`` or ``mf_pbt``)."""
     from rlhf_lightning.run import run
 
     updates, steps = budget(args)
-
-    class StopAtTarget(L.Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
-            best = trainer.callback_metrics.get("population/fitness_best")
-            if best is not None and reached(float(best), args.target):
-                trainer.should_stop = True
-
+    extra = []
+    if schedule == "mf_pbt":
+        intervals = ",".join(str(d) for d in args.mf_intervals)
+        extra = ["population.schedule=mf_pbt", f"population.mf_pbt.intervals=[{intervals}]"]
     cfg = compose(
         [
             *overrides(args, seed, out),
@@ -176,21 +229,27 @@ def population_arm(args: argparse.Namespace, seed: int, out: Path) -> dict[str, 
             f"population.fitness=accuracy_{args.metric}",
             f"population.eval_rows={args.eval_rows}",
             f"population.mutate={space(args)}",
+            *extra,
             f"trainer.max_steps={updates}",  # member updates: `steps` population steps
             f"trainer.val_check_interval={updates + 1}",
         ]
     )
     t0 = time.time()
     clk = clock(t0)
-    run(cfg, extra_callbacks=[StopAtTarget(), clk])
+    result = run(cfg, extra_callbacks=[clk])
     curve = [
         (int(r["step"]), float(r["population/fitness_best"]), float(r["population/best_lr"]))
         for r in rows(out / "metrics.csv")
         if r.get("population/fitness_best")
     ]
     to_target = population_steps_to_target([(u, f) for u, f, _ in curve], args.target)
-    return {"arm": "population", "seed": seed, "steps_to_target": to_target, "steps_run": curve[-1][0] if curve else 0,
-            "budget": updates, "population_steps": steps, "wall_s": time.time() - t0,
+    pop = next(c for c in result.trainer.callbacks if hasattr(c, "lineage") and hasattr(c, "members"))
+    best = pop.members[pop.best_slot()]
+    return {"arm": "population" if schedule == "pbt" else "mf_pbt", "seed": seed, "steps_to_target": to_target,
+            "steps_run": curve[-1][0] if curve else 0, "budget": updates, "population_steps": steps,
+            "population_steps_run": pop.steps, "members": args.members,
+            "final_best": final_best_population([(u, f) for u, f, _ in curve], updates),
+            "final_hparams": dict(best.hparams), "wall_s": time.time() - t0,
             "wall_to_target_s": clk.at.get(to_target) if to_target is not None else None, "curve": curve,
             "times": [clk.at.get(u) for u, _, _ in curve], "lineage": rows(out / "lineage.csv")}  # fmt: skip
 
@@ -215,9 +274,8 @@ def optuna_arm(args: argparse.Namespace, seed: int, out: Path) -> dict[str, Any]
             if value is None or trainer.global_step == 0:
                 return
             self.trial.report(float(value), trainer.global_step)
-            if reached(float(value), args.target) or self.trial.should_prune():
-                self.pruned = not reached(float(value), args.target)
-                trainer.should_stop = True
+            if self.trial.should_prune():
+                self.pruned = trainer.should_stop = True
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(
@@ -225,18 +283,19 @@ def optuna_arm(args: argparse.Namespace, seed: int, out: Path) -> dict[str, Any]
         sampler=optuna.samplers.TPESampler(seed=seed),
         pruner=optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=0),
     )
-    spent, trials, wall_to_target = 0, [], None
-    t0 = time.time()
-    while spent < updates:
+    trials: list[dict[str, Any]] = []
+    t0, wall_to_target = time.time(), None
+    while steps := next_trial_steps(updates, args.trial_steps, [t["ran"] for t in trials]):
         trial = study.ask()
         lr = trial.suggest_float("lr", LR_LOW, LR_HIGH, log=True)
         temperature = trial.suggest_float("temperature", args.temp_low, args.temp_high)
+        decay = trial.suggest_float("min_lr_ratio", args.decay_low, 1.0)
         trial_dir = out / f"trial_{len(trials)}"
-        steps = min(args.trial_steps, updates - spent)  # the last trial gets what is left
         cfg = compose(
             [
                 *overrides(args, seed, trial_dir),
                 f"algo.lr={lr}",
+                f"algo.min_lr_ratio={decay}",
                 f"rollout.temperature={temperature}",
                 f"trainer.max_steps={steps}",
                 f"trainer.val_check_interval={args.evolve_every}",
@@ -248,33 +307,35 @@ def optuna_arm(args: argparse.Namespace, seed: int, out: Path) -> dict[str, Any]
         curve = [(s, a) for s, a in curve if s > 0]
         ran = int(result.trainer.global_step)
         hit = next((s for s, a in curve if reached(a, args.target)), None)
-        trials.append({"lr": lr, "temperature": temperature, "curve": curve, "hit": hit, "ran": ran,
-                       "pruned": report_cb.pruned, "times": [clk.at.get(s) for s, _ in curve]})  # fmt: skip
-        if hit is not None:
+        trials.append({"lr": lr, "temperature": temperature, "min_lr_ratio": decay, "curve": curve, "hit": hit,
+                       "ran": ran, "pruned": report_cb.pruned, "times": [clk.at.get(s) for s, _ in curve]})  # fmt: skip
+        if hit is not None and wall_to_target is None and not any(t["hit"] is not None for t in trials[:-1]):
             wall_to_target = clk.at.get(hit)
-            break
-        spent += ran
         if report_cb.pruned:
             study.tell(trial, state=optuna.trial.TrialState.PRUNED)
         else:
             study.tell(trial, curve[-1][1] if curve else 0.0)
-    to_target = search_steps_to_target(trials, args.target)
-    return {"arm": "optuna", "seed": seed, "steps_to_target": to_target, "budget": updates,
-            "steps_run": sum(t["ran"] for t in trials), "wall_s": time.time() - t0,
-            "wall_to_target_s": wall_to_target, "trials": trials}  # fmt: skip
+    final, best_trial = final_best_search(trials)
+    return {"arm": "optuna", "seed": seed, "steps_to_target": search_steps_to_target(trials, args.target),
+            "budget": updates, "steps_run": sum(t["ran"] for t in trials), "wall_s": time.time() - t0,
+            "final_best": final, "best_trial": best_trial, "wall_to_target_s": wall_to_target,
+            "trials": trials}  # fmt: skip
 
 
 def worker(args: argparse.Namespace) -> None:
     out = Path(args.work) / f"{args.arm}_{args.seed}"
-    fn = population_arm if args.arm == "population" else optuna_arm
-    result = fn(args, args.seed, out)
+    if args.arm == "optuna":
+        result = optuna_arm(args, args.seed, out)
+    else:
+        result = population_arm(args, args.seed, out, "pbt" if args.arm == "population" else "mf_pbt")
     (out.parent / f"{args.arm}_{args.seed}.json").write_text(json.dumps(result))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--arms", nargs="+", default=["population", "optuna"])
+    ap.add_argument("--arms", nargs="+", choices=["population", "mf_pbt", "optuna"],
+                    default=["population", "mf_pbt", "optuna"])  # fmt: skip
     ap.add_argument("--target", type=float, default=0.45, help="held-out accuracy (--metric) to reach")
     ap.add_argument("--metric", choices=["greedy", "sampled"], default="sampled", help="target and fitness")
     ap.add_argument("--members", type=int, default=4)
@@ -283,8 +344,13 @@ def main() -> None:
     )
     ap.add_argument("--trial-steps", type=int, default=400, help="a search trial's steps (a member's run)")
     ap.add_argument("--evolve-every", type=int, default=50, help="updates of each member between scorings")
+    ap.add_argument("--mf-intervals", type=int, nargs="+", default=[1, 4],
+                    help="mf_pbt: each sub-population's interval, in --evolve-every rounds")  # fmt: skip
     ap.add_argument("--temp-low", type=float, default=0.6)
     ap.add_argument("--temp-high", type=float, default=1.4)
+    ap.add_argument(
+        "--decay-low", type=float, default=0.05, help="min_lr_ratio's lowest value (its highest: 1)"
+    )
     ap.add_argument("--eval-rows", type=int, default=200)
     ap.add_argument("--parallel", type=int, default=2)
     ap.add_argument("--work", default="outputs/bench_population")
@@ -297,6 +363,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    budget(args)  # refuse a budget that does not split before any run starts
     Path(args.work).mkdir(parents=True, exist_ok=True)
     shared = sys.argv[1:]
     jobs = [(arm, seed) for seed in args.seeds for arm in args.arms]
@@ -317,50 +384,68 @@ def main() -> None:
     report(args, results)
 
 
+def how(r: dict[str, Any]) -> str:
+    """A run in a few words: the population's starts, clones, migrants and final best member; the
+    search's trials."""
+    if r["arm"] != "optuna":
+        if not r["curve"]:
+            return "no scoring"
+        starts = [x for x in r["lineage"] if x["event"] == "init"]
+        events = [x["event"] for x in r["lineage"]]
+        hp = r["final_hparams"]
+        return (
+            f"starts lr {', '.join(format(float(x['lr']), '.0e') for x in starts)}; {events.count('clone')} clones, "
+            f"{events.count('migrant')} migrants; best at the end lr {hp.get('lr', 0):.1e} T "
+            f"{hp.get('temperature', 0):.2f} decay {hp.get('min_lr_ratio', 0):.2f}"
+        )
+    return "trials: " + ", ".join(
+        f"lr {t['lr']:.1e} T {t['temperature']:.2f} d {t.get('min_lr_ratio', 1.0):.2f}"
+        + (f" pruned @{t['ran']}" if t["pruned"] else f" end {t['curve'][-1][1]:.3f}" if t["curve"] else "")
+        for t in r["trials"]
+    )
+
+
 def report(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
     updates, steps = budget(args)
     print(
-        f"target: held-out {args.metric} accuracy >= {args.target} on {args.eval_rows} problems; "
-        f"budget {updates} member updates each ({args.members} members x {steps} population steps; "
-        f"{args.trials} trials x {args.trial_steps} steps)"
+        f"equal compute: {updates} member updates each ({args.members} members x {steps} population steps; "
+        f"{args.trials} trials x {args.trial_steps} steps); held-out {args.metric} accuracy on {args.eval_rows} "
+        f"problems; target {args.target}"
     )
-    print("| arm | seed | member updates to target | wall s to target | wall s run | how |")
-    print("|---|---|---|---|---|---|")
+    print("| arm | seed | final best | member updates to target | updates spent | wall s | how |")
+    print("|---|---|---|---|---|---|---|")
     for r in results:
-        if r["arm"] == "population":
-            starts = [x for x in r["lineage"] if x["event"] == "init"]
-            clones = sum(x["event"] == "clone" for x in r["lineage"])
-            how = (
-                f"starts lr {', '.join(format(float(x['lr']), '.0e') for x in starts)}; {clones} clones; "
-                f"best lr at the end {r['curve'][-1][2]:.1e}"
-                if r["curve"]
-                else "no scoring"
-            )
-        else:
-            how = "trials: " + ", ".join(
-                f"lr {t['lr']:.1e} T {t['temperature']:.2f}"
-                + (f" hit @{t['hit']}" if t["hit"] else " pruned @" + str(t["ran"]) if t["pruned"] else "")
-                for t in r["trials"]
-            )
+        acc = accounting(r)
+        final = r.get("final_best")
         steps_to = r["steps_to_target"]
-        shown_steps = steps_to if steps_to is not None else f"not reached in {r['steps_run']}"
-        wall = r.get("wall_to_target_s")
-        shown = f"{wall:.0f}" if wall is not None else "not reached"
-        print(f"| {r['arm']} | {r['seed']} | {shown_steps} | {shown} | {r['wall_s']:.0f} | {how} |")
+        spent = f"{acc['spent']}" + (
+            f" ({acc['trials']} trials, {acc['pruned']} pruned: {acc['pruned_updates']})"
+            if r["arm"] == "optuna"
+            else ""
+        )
+        shown_final = f"{final:.3f}" if final is not None else "none"
+        shown_to = steps_to if steps_to is not None else "not reached"
+        print(
+            f"| {r['arm']} | {r['seed']} | {shown_final} | {shown_to} | {spent} | {r['wall_s']:.0f} | {how(r)} |"
+        )
     for arm in args.arms:
         got = [r for r in results if r["arm"] == arm]
+        finals = [r["final_best"] for r in got if r.get("final_best") is not None]
         done = [r["steps_to_target"] for r in got if r["steps_to_target"] is not None]
-        walls = [r["wall_to_target_s"] for r in got if r.get("wall_to_target_s") is not None]
-        mean = sum(done) / len(done) if done else math.nan
-        mean_wall = sum(walls) / len(walls) if walls else math.nan
+        mean = sum(finals) / len(finals) if finals else math.nan
+        mean_to = sum(done) / len(done) if done else math.nan
         print(
-            f"{arm}: reached in {len(done)}/{len(got)} seeds, mean member updates {mean:.0f}, mean wall s {mean_wall:.0f}"
+            f"{arm}: mean final best {mean:.3f}; reached the target in {len(done)}/{len(got)} seeds "
+            f"(mean member updates {mean_to:.0f})"
         )
-    if set(args.arms) == {"population", "optuna"}:
-        wins = evolution_wins(results, args.seeds)
-        print(
-            f"evolution reached the target in fewer member updates than the search on {wins} of {len(args.seeds)} seeds"
-        )
+    for arm in (a for a in POPULATIONS if a in args.arms):
+        if "optuna" in args.arms:
+            wins = final_wins(results, args.seeds, arm)
+            print(f"{arm}'s final best at least the search's on {wins} of {len(args.seeds)} seeds")
+            print(
+                f"{arm} reached the target in fewer member updates than the search on "
+                f"{evolution_wins(results, args.seeds, arm)} of {len(args.seeds)} seeds"
+            )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=1))
@@ -368,15 +453,26 @@ def report(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
         plot(args, results)
 
 
-def evolution_wins(results: list[dict[str, Any]], seeds: list[int]) -> int:
-    """Seeds on which the population reached the target in fewer member updates than the search
-    (or reached it and the search did not)."""
+def final_wins(results: list[dict[str, Any]], seeds: list[int], arm: str = "population") -> int:
+    """Seeds on which ``arm``'s final best is at least the search's (a search with no complete
+    trial has none)."""
+    by: dict[tuple[str, int], float | None] = {(r["arm"], r["seed"]): r.get("final_best") for r in results}
+    wins = 0
+    for s in seeds:
+        mine, search = by.get((arm, s)), by.get(("optuna", s))
+        wins += mine is not None and (search is None or mine >= search)
+    return wins
+
+
+def evolution_wins(results: list[dict[str, Any]], seeds: list[int], arm: str = "population") -> int:
+    """Seeds on which ``arm`` reached the target in fewer member updates than the search (or
+    reached it and the search did not)."""
     by = {(r["arm"], r["seed"]): r["steps_to_target"] for r in results}
     return sum(
         1
         for s in seeds
-        if by.get(("population", s)) is not None
-        and (by.get(("optuna", s)) is None or by[("population", s)] < by[("optuna", s)])
+        if by.get((arm, s)) is not None
+        and (by.get(("optuna", s)) is None or by[(arm, s)] < by[("optuna", s)])
     )
 
 
@@ -404,15 +500,16 @@ def plot(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.4))
+    looks = {"population": ("o", "-"), "mf_pbt": ("s", "-."), "optuna": (".", "--")}
     for r in results:
-        pop = r["arm"] == "population"
-        if pop:
+        if r["arm"] in POPULATIONS:
             xs, ys, ts = [c[0] for c in r["curve"]], [c[1] for c in r["curve"]], r.get("times", [])
         else:
             xs, ys, ts = search_curve(r)
         color = f"C{args.seeds.index(r['seed']) if r['seed'] in args.seeds else 0}"
-        style = {"color": color, "marker": "o" if pop else ".", "ms": 3, "ls": "-" if pop else "--"}
-        label = f"{'population' if pop else 'optuna'} seed {r['seed']}"
+        marker, line = looks[r["arm"]]
+        style = {"color": color, "marker": marker, "ms": 3, "ls": line}
+        label = f"{r['arm']} seed {r['seed']}"
         axes[0].plot(xs, ys, label=label, **style)
         if ts and all(t is not None for t in ts):
             axes[1].plot(ts, ys, label=label, **style)
@@ -420,11 +517,11 @@ def plot(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
         ax.axhline(args.target, color="grey", lw=0.8)
         ax.set(xlabel=xlabel, ylim=(0, 1))
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel(f"best held-out {args.metric} accuracy so far")
+    axes[0].set_ylabel(f"held-out {args.metric}: fittest member / search's best so far")
     axes[0].legend(fontsize=7, ncol=2)
     lineage_panel(axes[2], args, results)
     fig.suptitle(
-        "evolution (members from the prior, truncation) vs Optuna (TPE, median pruner), equal compute"
+        "PBT and MF-PBT (members from the prior) vs Optuna (TPE, median pruner), equal member updates"
     )
     fig.tight_layout()
     args.plot.parent.mkdir(parents=True, exist_ok=True)

@@ -135,3 +135,13 @@ class Selection(StrEnum):
 
     truncation = "truncation"
     tournament = "tournament"
+
+
+class PopulationSchedule(StrEnum):
+    """``population.schedule``: when members evolve. ``pbt``: all of them every
+    ``population.evolve_every`` steps (population based training); ``mf_pbt``: sub-populations,
+    each at its own interval, with migration between them (multiple-frequencies PBT,
+    ``population.mf_pbt``)."""
+
+    pbt = "pbt"
+    mf_pbt = "mf_pbt"

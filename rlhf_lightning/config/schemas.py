@@ -27,6 +27,7 @@ from rlhf_lightning.config.choices import (
     History,
     PartialVersions,
     PopulationInit,
+    PopulationSchedule,
     Selection,
     StepWorkers,
 )
@@ -316,6 +317,20 @@ class ProgressConfig:
 
 
 @dataclass
+class MultiFrequencyConfig:
+    """``population.mf_pbt``: the sub-populations of ``population.schedule=mf_pbt`` (multiple-
+    frequencies PBT, Doulazmi et al. 2025, arXiv 2506.03225; ``population/multi_frequency.py``)."""
+
+    # Sub-population j evolves every intervals[j] x population.evolve_every steps (strictly
+    # rising, fastest first; the paper's first is 1); one entry per sub-population.
+    intervals: list[int] = field(default_factory=lambda: [1, 4])
+    sizes: list[int] | None = None  # members per sub-population, slots in order; null: an even split
+    # the open bracket of an evolving sub-population takes better members of the others (a
+    # slower one's: weights and hyper-parameters; a faster one's: weights only); false: none
+    migration: bool = True
+
+
+@dataclass
 class PopulationConfig:
     """Population training with evolution (``rlhf_lightning/population``); size 1 is off."""
 
@@ -338,6 +353,10 @@ class PopulationConfig:
     # truncation: the least fit `truncation` share replaced by clones of as many fittest ones, the
     # rest kept (population based training) | tournament: every slot a tournament's winner
     selection: Selection = Selection.truncation
+    # pbt: every member evolves every evolve_every steps | mf_pbt: sub-populations at their own
+    # intervals with migration between them (population.mf_pbt; selection is then MF-PBT's brackets)
+    schedule: PopulationSchedule = PopulationSchedule.pbt
+    mf_pbt: MultiFrequencyConfig = field(default_factory=MultiFrequencyConfig)
     truncation: float = 0.25  # share of members replaced at each evolution (at least one, at most half)
     tournament_size: int = 2
     elitism: bool = True  # tournament: the fittest member survives unchanged
@@ -346,8 +365,8 @@ class PopulationConfig:
     mutate_initial: bool = False  # init=config: members 1..N-1 start from one mutation of the config's values
     snapshot_every: int = 0  # write the population from a background thread every this many steps
     keep_snapshots: int = 2  # background snapshots kept on disk (the newest); >= 1
-    # {name: {low, high, scale, prior}} for lr, clip_low, clip_high, beta, temperature, group_size,
-    # entropy_coef (prior: log | uniform; null: log for lr); null: {lr: {low: 1e-6, high: 1e-2, scale: 2}}
+    # {name: {low, high, scale, prior}} for lr, min_lr_ratio, clip_low, clip_high, beta, temperature,
+    # group_size, entropy_coef (prior: log | uniform; null: log for lr); null: {lr: {low: 1e-6, high: 1e-2, scale: 2}}
     mutate: Any = None
 
 

@@ -27,6 +27,7 @@ from rlhf_lightning.learner.member import Member
 from rlhf_lightning.learner.optimizer import set_base_lrs
 from rlhf_lightning.learner.plan import UpdatePlan
 from rlhf_lightning.models.adapters import copy_adapter
+from rlhf_lightning.population.members import follow_schedule
 from rlhf_lightning.records.metrics import episode_metrics
 from rlhf_lightning.records.result import RolloutResult
 from rlhf_lightning.records.trajectory import Trajectory, collate
@@ -184,9 +185,12 @@ class SideBySide:
         set_base_lrs(self.optimizer(k), self.scheduler(k), [g.get("lr", hp.lr) for g in groups])
 
     def adopt_hparams(self, k: int, hparams: dict[str, float]) -> None:
-        """Member ``k``'s values (a resume's: its optimizer and schedule were restored)."""
+        """Member ``k``'s values (a resume's: its optimizer and schedule were restored), and its
+        schedule's shape (its own ``min_lr_ratio``) from its next step on."""
         self.hparams[k] = dict(hparams)
         self.members[k].set_hp(self.member_hp(k), self.member_sampling(k))
+        own = max(self.module.total_optimizer_steps() // self.size, 1)  # as configure_optimizers
+        follow_schedule(self.scheduler(k), self.members[k].hp, own)
 
     def optimizer(self, k: int) -> torch.optim.Optimizer:
         opt = self.module.stepper.optimizer(k)

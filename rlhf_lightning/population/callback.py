@@ -22,7 +22,6 @@ selection, lineage), mixed into :class:`Population` with the Lightning hooks and
 from __future__ import annotations
 
 import dataclasses
-import functools
 import threading
 from pathlib import Path
 from typing import Any
@@ -35,9 +34,8 @@ from rlhf_lightning.learner.member import OneMember
 from rlhf_lightning.learner.records import StepSummary
 from rlhf_lightning.population.evolution import FITNESS
 from rlhf_lightning.population.generations import LINEAGE_FIELDS, Generations
-from rlhf_lightning.population.members import KEEP_SNAPSHOTS, Member
+from rlhf_lightning.population.members import KEEP_SNAPSHOTS, Member, follow_schedule
 from rlhf_lightning.population.resident import ResidentMember
-from rlhf_lightning.runtime.schedule import warmup_cosine
 
 __all__ = ["FITNESS", "KEEP_SNAPSHOTS", "LINEAGE_FIELDS", "Member", "Population"]
 
@@ -60,6 +58,7 @@ class Population(ResidentMember, Generations, L.Callback):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # the settings and bookkeeping (Generations)
         self.resident: int | None = None  # the slot whose state is on the model
+        self._own_steps = 1  # each member's share of the optimizer steps (set at fit start)
         self._base_hp: Any = None
         self._ref_interval: int | None = None  # members' own references move every this many updates
         self.member_schedule: OneMember | None = None
@@ -80,13 +79,10 @@ class Population(ResidentMember, Generations, L.Callback):
         self._ref_interval = getattr(self._base_hp, "ref_update_interval", None) or None
         self._algo = dataclasses.asdict(self._base_hp)
         self.check_space("lora" if module.policy.is_peft else "full", module.world_size)
-        # Each member's warm-up and cosine run over its own share of the optimizer steps.
-        hp, sched = self._base_hp, self.scheduler()
-        own = max(module.total_optimizer_steps() // self.size, 1)
-        schedule = functools.partial(
-            warmup_cosine, warmup_steps=hp.warmup_steps, total_steps=own, min_lr_ratio=hp.min_lr_ratio
-        )
-        sched.lr_lambdas = [schedule] * len(sched.lr_lambdas)
+        # Each member's warm-up and cosine run over its own share of the optimizer steps (and to
+        # its own min_lr_ratio: apply_hparams).
+        self._own_steps = max(module.total_optimizer_steps() // self.size, 1)
+        follow_schedule(self.scheduler(), self._base_hp, self._own_steps)
         if self._restored is not None:  # a resume: the checkpoint's population
             self._load_population(self._restored)
             self._restored = None

@@ -25,6 +25,7 @@ from rlhf_lightning.population.evolution import (
     INTEGER,
     MUTABLE,
     NODE_PREFIXES,
+    SCHEDULES,
     SELECTION,
     MutationRange,
     flat_space,
@@ -40,6 +41,7 @@ DOMAINS = {
     "temperature": "a sampling temperature > 0",
     "group_size": "an integer >= 2 (group-relative advantages compare completions of one prompt)",
     "entropy_coef": ">= 0",
+    "min_lr_ratio": "in [0, 1] (the cosine schedule's end, a share of lr)",
 }
 
 
@@ -52,6 +54,8 @@ def _in_domain(name: str, v: float) -> bool:
         return v >= 0.0
     if name == "group_size":
         return float(v).is_integer() and v >= 2
+    if name == "min_lr_ratio":
+        return 0.0 <= v <= 1.0
     return v > 0.0  # lr, clip_high, temperature
 
 
@@ -278,6 +282,8 @@ def validate_population(p: DictConfig, spec: Any, cfg: DictConfig) -> None:
             f"a multiple of population.size={p.size} (every member trains as often), or 0 (never evolve)",
         )
     check(p.fitness in FITNESS, "population.fitness", p.fitness, f"one of {', '.join(FITNESS)}")
+    if p.get("schedule", "pbt") == "mf_pbt":
+        validate_multi_frequency(p, every)
     check(p.eval_rows > 0, "population.eval_rows", p.eval_rows, "> 0")
     check(
         1 <= p.tournament_size <= p.size,
@@ -325,6 +331,22 @@ def validate_population(p: DictConfig, spec: Any, cfg: DictConfig) -> None:
     validate_space(mutate, algo, cfg.model.finetune, configured_world_size(cfg))
     if batched:  # after the mutation space: its group-size rules name the cause more precisely
         check_population_steps(p.size, cfg)
+
+
+def validate_multi_frequency(p: DictConfig, every: int) -> None:
+    """``population.schedule=mf_pbt``: sub-populations that split ``population.size``, each of
+    at least two members, at strictly rising intervals; and evolutions to schedule them by."""
+    from rlhf_lightning.population.multi_frequency import MultiFrequency
+
+    check(
+        every > 0, "population.evolve_every", every, "> 0 with population.schedule=mf_pbt (a round's steps)"
+    )
+    node = p.get("mf_pbt")
+    try:
+        MultiFrequency.from_config(p.size, node)
+    except ValueError as e:
+        shown = OmegaConf.to_container(node) if isinstance(node, DictConfig) else node
+        check(False, "population.mf_pbt", shown, str(e).removeprefix("population.mf_pbt: "))
 
 
 def side_by_side(cfg: DictConfig) -> bool:
@@ -410,11 +432,13 @@ def check_settings(
     selection: str = "tournament",
     truncation: float = 0.25,
     resample_prob: float = 0.0,
+    schedule: str = "pbt",
 ) -> None:
     """The population's own settings (a population callback's constructor checks them)."""
-    if init not in INIT or selection not in SELECTION:
+    if init not in INIT or selection not in SELECTION or schedule not in SCHEDULES:
         raise ValueError(
-            f"population.init={init!r} (one of {INIT}), population.selection={selection!r} (one of {SELECTION})"
+            f"population.init={init!r} (one of {INIT}), population.selection={selection!r} (one of "
+            f"{SELECTION}), population.schedule={schedule!r} (one of {SCHEDULES})"
         )
     if not 0.0 < truncation <= 0.5 or not 0.0 <= resample_prob <= 1.0:
         raise ValueError(

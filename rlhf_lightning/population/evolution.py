@@ -15,14 +15,16 @@ from dataclasses import dataclass
 from typing import Any
 
 # Hyper-parameters a member may carry: each is applied to the algorithm's config (``algo.<name>``)
-# or, for ``temperature``, to the sampling parameters.
-MUTABLE = ("lr", "clip_low", "clip_high", "beta", "temperature", "group_size", "entropy_coef")
+# or, for ``temperature``, to the sampling parameters. ``min_lr_ratio`` (where the member's cosine
+# schedule ends, a share of its lr) shapes the schedule it follows from its current position on.
+MUTABLE = ("lr", "clip_low", "clip_high", "beta", "temperature", "group_size", "entropy_coef", "min_lr_ratio")
 # ... and any parameter of the configured loss or advantage estimator that has no flat field, by
 # its node path (``loss.<param>``, ``advantage.<param>``): a function from outside the package.
 NODE_PREFIXES = ("loss.", "advantage.")
 FITNESS = ("accuracy_sampled", "accuracy_greedy", "return_sampled", "return_greedy")  # population.fitness
 SELECTION = ("truncation", "tournament")  # population.selection
 INIT = ("sample", "config")  # population.init
+SCHEDULES = ("pbt", "mf_pbt")  # population.schedule
 INTEGER = ("group_size",)
 DEFAULT_SPACE = {"lr": {"low": 1e-6, "high": 1e-2, "scale": 2.0}}  # population.mutate=null
 

@@ -11,7 +11,7 @@ import csv
 import dataclasses
 import random
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from rlhf_lightning.population.evolution import (
     truncation_select,
 )
 from rlhf_lightning.population.members import KEEP_SNAPSHOTS, Member, write_snapshot
+from rlhf_lightning.population.multi_frequency import MultiFrequency, evolving, mf_pbt_plan
 from rlhf_lightning.runtime import rng as rng_state
 
 LINEAGE_FIELDS = ["step", "slot", "id", "parent", "event", "mutation", "parent_fitness", *MUTABLE]
@@ -82,6 +83,8 @@ class Generations:
         selection: str = "tournament",
         truncation: float = 0.25,
         resample_prob: float = 0.0,
+        schedule: str = "pbt",
+        mf_pbt: Any = None,
     ) -> None:
         check_settings(
             size,
@@ -94,7 +97,10 @@ class Generations:
             selection,
             truncation,
             resample_prob,
+            schedule,
         )
+        # population.schedule=mf_pbt: the sub-populations (None: every member evolves each time)
+        self.multi_frequency = MultiFrequency.from_config(size, mf_pbt) if schedule == "mf_pbt" else None
         self.init, self.selection, self.truncation, self.resample_prob = (
             init,
             selection,
@@ -281,6 +287,9 @@ class Generations:
         self.scored_at = self.steps
 
     def evolve(self, trainer: L.Trainer) -> None:
+        if self.multi_frequency is not None:
+            self.evolve_subpopulations(trainer, self.multi_frequency)
+            return
         fitness = self.score(trainer)  # scoring stored every member it swapped out; none trained since
         self.assign_fitness(fitness)
         step, best = trainer.global_step, self.best_slot()
@@ -305,17 +314,74 @@ class Generations:
                 event = "clone"
             new.append(child)
             self.record(step, slot, child, event, how, fitness[p])
+        self.next_generation(trainer, new, parents, fitness, best_lr, {})
+
+    def next_generation(
+        self,
+        trainer: L.Trainer,
+        new: list[Member],
+        parents: list[int],
+        fitness: list[float],
+        best_lr: float,
+        extra: Mapping[str, float],
+    ) -> None:
+        """Put ``new`` (slot ``i``'s weights from the old slot ``parents[i]``) in place, check the
+        ranks agree, log the scoring and write the lineage."""
         self.members = new
         self.place(parents)
         self.check_ranks_agree()
-        self.module.log_metrics(
-            {
-                "population/fitness_best": torch.tensor(max(fitness)),
-                "population/fitness_mean": torch.tensor(sum(fitness) / len(fitness)),
-                "population/best_lr": torch.tensor(best_lr),  # the fittest member scored now
-            }
-        )
+        shown = {
+            "population/fitness_best": max(fitness),
+            "population/fitness_mean": sum(fitness) / len(fitness),
+            "population/best_lr": best_lr,  # the fittest member scored now
+            **extra,
+        }
+        self.module.log_metrics({k: torch.tensor(float(v)) for k, v in shown.items()})
         self.write_lineage(trainer)
+
+    def evolve_subpopulations(self, trainer: L.Trainer, schedule: MultiFrequency) -> None:
+        """``population.schedule=mf_pbt``: after round ``steps // evolve_every`` the sub-populations
+        due are ranked and evolve (:func:`~rlhf_lightning.population.multi_frequency.mf_pbt_plan`:
+        losers take winners' clones, which explore; open slots take better members of the other
+        sub-populations); every member is scored (the migration reads the global ranking), and
+        nobody when no sub-population is due. Only the evolving slots get lineage rows."""
+        round_ = self.steps // self.evolve_every
+        if not evolving(round_, schedule.intervals):
+            return
+        fitness = self.score(trainer)
+        self.assign_fitness(fitness)
+        plan = mf_pbt_plan(round_, schedule, fitness, self.truncation)
+        best_lr = float(self.members[self.best_slot()].hparams.get("lr", 0.0))
+        due = {slot for j in plan.evolving for slot in schedule.slots(j)}
+        new: list[Member] = []
+        for slot in range(self.size):
+            w, h = plan.weights_from[slot], plan.hparams_from[slot]
+            old = self.members[w]
+            if plan.kept(slot):  # the same member, just scored
+                child = old.clone(old.id)
+                child.parent, child.fitness = old.parent, old.fitness
+                event, how = "kept", "none"
+            else:
+                child = old.clone(self.next_id)
+                self.next_id += 1
+                child.hparams = dict(self.members[h].hparams)
+                if plan.explore[slot]:
+                    child.hparams, how = self.mutated(child.hparams, child.id, self.no_mutation_prob)
+                    event = "clone"
+                else:
+                    source = schedule.subpopulation(w)
+                    what = (
+                        "weights and hyper-parameters" if h == w else f"weights; hyper-parameters of slot {h}"
+                    )
+                    event, how = "migrant", f"from slot {w} (sub-population {source}): {what}"
+            new.append(child)
+            if slot in due:
+                self.record(trainer.global_step, slot, child, event, how, fitness[w])
+        extra = {
+            "population/subpopulations_evolved": len(plan.evolving),
+            "population/migrations": len(plan.migrations),
+        }
+        self.next_generation(trainer, new, list(plan.weights_from), fitness, best_lr, extra)
 
     def place(self, parents: list[int]) -> None:
         """Put the new generation (:attr:`members`, slot ``i`` born of the old slot

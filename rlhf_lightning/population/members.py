@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import re
 import tempfile
@@ -12,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from rlhf_lightning.runtime.schedule import warmup_cosine
 
 KEEP_SNAPSHOTS = 2  # background snapshots kept on disk (the newest)
 SNAPSHOT_FILE = re.compile(r"snapshot_step_(\d+)\.pt")
@@ -47,6 +50,17 @@ class Member:
             reference=[w.clone() for w in self.reference],
             counters=dict(self.counters),
         )
+
+
+def follow_schedule(sched: Any, hp: Any, total_steps: int) -> None:
+    """Make a member's ``LambdaLR`` follow ``hp``'s warm-up and cosine decay to
+    ``hp.min_lr_ratio`` over ``total_steps`` of its own, from its current position: a mutated
+    ``min_lr_ratio`` takes effect at the member's next step (``set_base_lrs`` then sets the
+    current lr from the new multiplier)."""
+    schedule = functools.partial(
+        warmup_cosine, warmup_steps=hp.warmup_steps, total_steps=total_steps, min_lr_ratio=hp.min_lr_ratio
+    )
+    sched.lr_lambdas = [schedule] * len(sched.lr_lambdas)
 
 
 def copy_into(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:

@@ -18,7 +18,7 @@ import torch
 from rlhf_lightning.config.algo import RolloutAlgoConfig, with_hparams
 from rlhf_lightning.learner.member import OneMember
 from rlhf_lightning.learner.optimizer import set_base_lrs
-from rlhf_lightning.population.members import Member, copy_into
+from rlhf_lightning.population.members import Member, copy_into, follow_schedule
 
 
 class ResidentMember:
@@ -33,6 +33,7 @@ class ResidentMember:
     _base_hp: RolloutAlgoConfig
     _base_temperature: float
     _ref_interval: int | None  # members' own references move every this many updates
+    _own_steps: int  # each member's schedule spans this many of its own optimizer steps
 
     def params(self) -> list[torch.nn.Parameter]:
         return cast(list[torch.nn.Parameter], self.module.policy.trainable_parameters())
@@ -111,13 +112,15 @@ class ResidentMember:
             module.sampling, temperature=hp.get("temperature", self._base_temperature)
         )
         sched, opt = self.scheduler(), self.optimizer()
+        member_hp = with_hparams(self._base_hp, values)
+        follow_schedule(sched, member_hp, self._own_steps)  # its own min_lr_ratio
         lrs = [hp.get("lr", self._base_hp.lr)] * len(opt.param_groups)
         critic_lr = getattr(self._base_hp, "lr_critic", None)
         if critic_lr is not None and len(lrs) > 1:
             lrs[1] = critic_lr  # PPO's critic keeps its own configured lr
         set_base_lrs(opt, sched, lrs)
         member = self.learner_member
-        member.set_hp(with_hparams(self._base_hp, values), sampling)
+        member.set_hp(member_hp, sampling)
         if counters:
             member.state = dict(counters)
 

@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 POPULATION_SETTINGS = (
     "fitness", "eval_rows", "init", "selection", "truncation", "tournament_size", "elitism",
     "no_mutation_prob", "resample_prob", "mutate_initial", "snapshot_every", "keep_snapshots",
+    "schedule", "mf_pbt",
 )  # fmt: skip
 
 
