@@ -7,17 +7,27 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import torch
+from omegaconf import DictConfig
 
 from rlhf_lightning.algorithms.base import RolloutModule
 from rlhf_lightning.algorithms.checks import validate_grpo
 from rlhf_lightning.algorithms.spec import AlgorithmSpec, register_algorithm
 from rlhf_lightning.config import GRPOConfig
 from rlhf_lightning.config.algo import RolloutAlgoConfig, node_params, registered_name
+from rlhf_lightning.config.errors import check
 from rlhf_lightning.learner.family import Family, LearnerView
 from rlhf_lightning.learner.member import Member
 from rlhf_lightning.learner.objective import PolicyTerm
+from rlhf_lightning.learner.records import Advantages
 from rlhf_lightning.losses import get_advantage_estimator
 from rlhf_lightning.losses.advantages import ADVANTAGE_ESTIMATORS, postprocess_advantages
+from rlhf_lightning.losses.step_advantages import (
+    SCALES,
+    anchor_state_groups,
+    shared_anchor_fraction,
+    turn_advantages_to_tokens,
+    turn_mask,
+)
 from rlhf_lightning.records.trajectory import TrajectoryBatch
 from rlhf_lightning.rollout.source import Refill
 from rlhf_lightning.runtime.distributed import gather_rows
@@ -64,9 +74,11 @@ class GRPOFamily(Family):
         rewards: torch.Tensor,
         returns: torch.Tensor,
         kl_rewards: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | Advantages:
         hp = cast(GRPOConfig, member.hp)
         fn, kwargs = estimator(hp)
+        if ADVANTAGE_ESTIMATORS.meta(registered_name(hp.advantage)).get("per_turn"):
+            return per_turn_advantages(fn, kwargs, traj, rewards, returns, hp.advantage_clip)
         # Batch-level statistics (advantage_scale=batch, whitening, ReBN) are over every rank's
         # rows: each rank computes the global advantages and keeps its own (groups never span ranks).
         ws, rank = learner.world_size, learner.rank
@@ -85,6 +97,62 @@ class GRPOFamily(Family):
 
     def can_skip_zero_advantage(self, hp: RolloutAlgoConfig) -> bool:
         return cast(GRPOConfig, hp).skip_zero_advantage
+
+
+def per_turn_advantages(
+    fn: Callable[..., torch.Tensor],
+    kwargs: dict[str, Any],
+    traj: TrajectoryBatch,
+    rewards: torch.Tensor,
+    returns: torch.Tensor,
+    clip: float | None,
+) -> Advantages:
+    """A per-turn estimator's (gigpo's) advantages on each turn's tokens (B, T), from the shaped
+    per-turn rewards (B, K), the returns (B,) and each turn's state. Episode and anchor-state
+    groups never span ranks, so each rank's own rows suffice (no gather)."""
+    steps = fn(
+        rewards, traj.group_ids, state_ids=traj.state_ids, num_turns=traj.num_turns, returns=returns, **kwargs
+    )  # (B, K)
+    steps = postprocess_advantages(steps, clip=clip)
+    labels = anchor_state_groups(traj.group_ids, traj.state_ids, turn_mask(traj.num_turns, rewards.shape[1]))
+    return Advantages(
+        turn_advantages_to_tokens(steps, traj.turn_ids),
+        metrics={"rollout/anchor_shared_frac": shared_anchor_fraction(labels)},
+    )
+
+
+def validate_grpo_family(a: DictConfig, cfg: DictConfig) -> None:
+    """:func:`validate_grpo`, and what a per-turn estimator (gigpo) cannot combine with."""
+    validate_grpo(a, cfg)
+    name = registered_name(a.advantage)
+    if not ADVANTAGE_ESTIMATORS.meta(name).get("per_turn"):
+        return
+    check(
+        a.advantage_scale in SCALES,
+        "algo.advantage_scale",
+        a.advantage_scale,
+        f"one of {', '.join(SCALES)} with algo.advantage={name} (its groups are the episode's and "
+        "the anchor state's; there is no batch scale)",
+    )
+    check(
+        not a.whiten_advantages,
+        "algo.whiten_advantages",
+        a.whiten_advantages,
+        f"false with algo.advantage={name} (its advantages are per turn; whitening is per episode)",
+    )
+    check(
+        not a.get("use_liger_loss", False),
+        "algo.use_liger_loss",
+        a.get("use_liger_loss"),
+        f"false with algo.advantage={name} (Liger's fused loss takes one advantage per sequence)",
+    )
+    own = node_params(a.advantage)
+    check(
+        0.0 <= float(own.get("gamma", 0.95)) <= 1.0,
+        "algo.advantage.gamma",
+        own.get("gamma"),
+        "in [0, 1] (the discount of the step-level returns)",
+    )
 
 
 class GRPOModule(RolloutModule):
@@ -126,6 +194,6 @@ register_algorithm(
         GRPOModule,
         GRPOConfig,
         needs_reference=lambda hp: hp.beta > 0,
-        validate=validate_grpo,
+        validate=validate_grpo_family,
     )
 )

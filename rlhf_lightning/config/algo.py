@@ -43,7 +43,7 @@ BUILTIN_POLICY_LOSSES = (
     "reinforce",
     "sapo",
 )
-BUILTIN_OUTCOME_ADVANTAGES = ("dr_grpo", "gdpo", "grpo", "mean_only", "rebn", "reinforce_pp", "rloo")
+BUILTIN_OUTCOME_ADVANTAGES = ("dr_grpo", "gdpo", "gigpo", "grpo", "mean_only", "rebn", "reinforce_pp", "rloo")
 BUILTIN_AGGREGATION_MODES = tuple(m.value for m in AggMode)
 BUILTIN_KL_ESTIMATORS = tuple(m.value for m in KLEstimator)
 

@@ -1,7 +1,8 @@
 """Pure loss, advantage and KL functions, selectable by config name."""
 
-# trust_regions registers dppo_tv, dppo_kl, sapo, gmpo and kl_cov in POLICY_LOSSES.
-from rlhf_lightning.losses import trust_regions  # noqa: F401
+# trust_regions registers dppo_tv, dppo_kl, sapo, gmpo and kl_cov in POLICY_LOSSES;
+# step_advantages registers gigpo (per-turn, GiGPO) in ADVANTAGE_ESTIMATORS.
+from rlhf_lightning.losses import step_advantages, trust_regions  # noqa: F401
 from rlhf_lightning.losses.advantages import ADVANTAGE_ESTIMATORS, get_advantage_estimator, group_stats
 from rlhf_lightning.losses.aggregate import AGGREGATION_MODES, aggregate
 from rlhf_lightning.losses.kl import KL_ESTIMATORS, kl

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
+
+# The info key (reset or step info) under which an env may name its state for GiGPO's anchor
+# states (``Trajectory.turn_state_ids``); without it a turn's state is its observation's tokens.
+ANCHOR_STATE = "anchor_state"
 
 
 @dataclass
@@ -82,6 +88,51 @@ class Trajectory:
                 starts.append(i)
         return starts
 
+    def turn_state_ids(self) -> list[int]:
+        """Each turn's state (GiGPO's anchor states): a 63-bit hash, -1 for a turn without
+        generated tokens.
+
+        The env's own name for the state when it gives one: ``info["anchor_state"]`` of the reset
+        info (turn 0) or of the step that produced the turn's observation (GEM's games name the
+        board: the same board is the same state whatever the feedback). Otherwise the tokens that
+        came before the turn's reply since the previous reply ended (turn 0: the prompt): with
+        ``env.history=full`` the latest observation in its chat-template wrapping (feedback
+        included), with ``last`` the instructions and the latest observation, with ``last_k``
+        also the kept earlier turns. Equal states give equal ids on every rank.
+        """
+        named = [self.task_info.get(ANCHOR_STATE), *(info.get(ANCHOR_STATE) for info in self.infos)]
+        turns, ids, end = self.action_turn, [], 0
+        for k in range(self.num_turns):
+            try:
+                first = turns.index(k, end)  # list.index: a scan in C, not a Python loop
+            except ValueError:
+                ids.append(-1)
+                continue
+            state = named[k] if k < len(named) else None
+            ids.append(token_hash(self.token_ids[end:first]) if state is None else text_hash(str(state)))
+            # A turn's tokens are one block, followed by an observation (-1), the next turn or the end.
+            end = min(_index_or_end(turns, -1, first), _index_or_end(turns, k + 1, first))
+        return ids
+
+
+def _index_or_end(values: list[int], value: int, start: int) -> int:
+    try:
+        return values.index(value, start)
+    except ValueError:
+        return len(values)
+
+
+def token_hash(ids: list[int]) -> int:
+    """A 63-bit, process-independent hash of a token sequence (>= 0)."""
+    digest = hashlib.blake2b(array("q", ids).tobytes(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def text_hash(text: str) -> int:
+    """A 63-bit, process-independent hash of a string (>= 0)."""
+    digest = hashlib.blake2b(text.encode(), digest_size=8, person=b"anchor_state").digest()
+    return int.from_bytes(digest, "little") >> 1
+
 
 @dataclass
 class TrajectoryBatch:
@@ -100,6 +151,9 @@ class TrajectoryBatch:
         turn_cut: (B, K), True where the engine stopped the turn at ``max_new_tokens``
         turn_starts: (B, K), the (B, L-1) column of each turn's first action token, i.e. where
             the state before the turn is read (-1 after the last turn)
+        state_ids: (B, K), each turn's state: a hash of the env's ``info["anchor_state"]``, else
+            of the tokens given to the model before its reply (``Trajectory.turn_state_ids``),
+            -1 after the last turn; GiGPO's anchor states (``algo.advantage=gigpo``)
         prompt_lens: (B,), tokens before the first action
         prefix_ids: (B,), rows whose first ``prompt_lens`` tokens are identical share an id
             (the policy runs such a shared prompt once: see ``Policy.token_logprobs``)
@@ -126,6 +180,7 @@ class TrajectoryBatch:
     turn_lengths: torch.Tensor
     turn_cut: torch.Tensor
     turn_starts: torch.Tensor
+    state_ids: torch.Tensor
     position_ids: torch.Tensor | None = None
     reward_terms: torch.Tensor | None = None
     reward_weights: torch.Tensor | None = None
@@ -203,6 +258,7 @@ def collate(trajectories: list[Trajectory], pad_token_id: int) -> TrajectoryBatc
             [[r == "length" for r in t.finish_reasons] for t in trajectories], False, torch.bool
         ),
         turn_starts=per_turn([[i - 1 for i in t.turn_starts()] for t in trajectories], -1, torch.long),
+        state_ids=per_turn([t.turn_state_ids() for t in trajectories], -1, torch.long),
         position_ids=segment_positions([t.segment_lengths() for t in trajectories], width)
         if segmented
         else None,
