@@ -77,6 +77,9 @@ def test_gem_presets_compose_and_validate(experiment, algo):
     assert cfg.algo.lr == 2e-3 and cfg.algo.prompts_per_step * cfg.algo.group_size <= 64
     if algo == "ppo":
         assert cfg.algo.advantage_granularity == "turn"
+    if experiment == "gem_sudoku":  # each batch reused: 4 optimizer steps of 8 episodes
+        assert cfg.algo.prompts_per_step * cfg.algo.group_size == 4 * cfg.algo.mini_batch_size
+        assert algo == "ppo" or cfg.algo.advantage.name == "gigpo"  # per-move credit (PPO: its critic's)
 
 
 def test_real_model_override_keeps_the_game():
