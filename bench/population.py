@@ -356,6 +356,9 @@ def main() -> None:
     ap.add_argument("--work", default="outputs/bench_population")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None)
+    ap.add_argument(
+        "--reuse", action="store_true", help="train nothing: tabulate (and plot) the runs in --work"
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--arm", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -367,6 +370,9 @@ def main() -> None:
     Path(args.work).mkdir(parents=True, exist_ok=True)
     shared = sys.argv[1:]
     jobs = [(arm, seed) for seed in args.seeds for arm in args.arms]
+    if args.reuse:  # e.g. the seeds run one command each, then one table and plot over them
+        report(args, [dict(json.loads((Path(args.work) / f"{a}_{s}.json").read_text())) for a, s in jobs])
+        return
 
     def launch(job: tuple[str, int]) -> dict[str, Any]:
         arm, seed = job
