@@ -111,14 +111,7 @@ class LigerObjective:
         self, policy: Policy, mb: MicroBatch, norm: dict[str, Any], backward: Backward, actor: bool = True
     ) -> tuple[torch.Tensor, Metrics]:
         sub = mb.sub
-        rows, head = policy.action_hidden(
-            sub.input_ids,
-            sub.attention_mask,
-            sub.action_mask,
-            prompt_lens=sub.prompt_lens,
-            prefix_ids=sub.prefix_ids,
-            position_ids=sub.position_ids,
-        )
+        rows, head = policy.batch_hidden(sub)
         targets = sub.input_ids[:, 1:][sub.action_mask]
         weights, metrics = None, {}
         if self.tis_cap is not None:

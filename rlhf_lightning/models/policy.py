@@ -247,6 +247,19 @@ class Policy(nn.Module):
                 rows = hidden[:, :-1][action_mask]  # (N, H)
             return rows, lm.get_output_embeddings()
 
+    def batch_hidden(self, sub: TrajectoryBatch, *, reference: bool = False) -> tuple[torch.Tensor, Any]:
+        """:meth:`action_hidden` of a (micro-)batch of trajectories (its packing and shared
+        prompts as it records them). Returns: (hidden rows of shape (N, H), the lm head)"""
+        return self.action_hidden(
+            sub.input_ids,
+            sub.attention_mask,
+            sub.action_mask,
+            reference=reference,
+            prompt_lens=sub.prompt_lens,
+            prefix_ids=sub.prefix_ids,
+            position_ids=sub.position_ids,
+        )
+
     def token_logprobs(
         self,
         input_ids: torch.Tensor,
@@ -332,15 +345,7 @@ class Policy(nn.Module):
             raise ValueError("the teacher_kl head needs the teacher's policy (teacher=)")
         out: dict[str, torch.Tensor] = {}
         if {"logp", "entropy", "teacher_kl"} & set(heads):
-            rows, head = self.action_hidden(
-                sub.input_ids,
-                sub.attention_mask,
-                sub.action_mask,
-                reference=reference,
-                prompt_lens=sub.prompt_lens,
-                prefix_ids=sub.prefix_ids,
-                position_ids=sub.position_ids,
-            )
+            rows, head = self.batch_hidden(sub, reference=reference)
             logp, entropy = self.rows_logprobs(
                 rows, head, sub.input_ids, sub.action_mask, temperature, chunk_rows, "entropy" in heads
             )
@@ -349,14 +354,7 @@ class Policy(nn.Module):
                 out["entropy"] = entropy
             if teacher is not None and "teacher_kl" in heads:
                 with torch.no_grad():
-                    t_rows, t_head = teacher.action_hidden(
-                        sub.input_ids,
-                        sub.attention_mask,
-                        sub.action_mask,
-                        prompt_lens=sub.prompt_lens,
-                        prefix_ids=sub.prefix_ids,
-                        position_ids=sub.position_ids,
-                    )
+                    t_rows, t_head = teacher.batch_hidden(sub)
                 kl_rows = chunked_reverse_kl(
                     rows,
                     head.weight,

@@ -35,6 +35,45 @@ def _tile_logits(
     return logits / temperature if temperature != 1.0 else logits
 
 
+class HeadGrads:
+    """The lm head's input gradients (hidden rows, weight, bias), accumulated tile by tile from
+    each tile's gradient at its logits: whatever the loss over the logits, a tile's backward
+    through ``h @ W.T + b`` is the same products. The weight's and bias's accumulate in >= fp32.
+
+    Args:
+        hidden: Shape: (N, H); weight: Shape: (V, H); bias: Shape: (V,) or None
+        needs: whether each of the three needs a gradient (``ctx.needs_input_grad[:3]``).
+    """
+
+    def __init__(
+        self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, needs: tuple[bool, ...]
+    ) -> None:
+        self.hidden, self.weight, self.bias = hidden, weight, bias
+        acc = torch.promote_types(weight.dtype, torch.float32)
+        self.h = torch.zeros_like(hidden) if needs[0] else None
+        self.w = torch.zeros_like(weight, dtype=acc) if needs[1] else None
+        self.b = torch.zeros_like(bias, dtype=acc) if needs[2] and bias is not None else None
+
+    def add(self, g: torch.Tensor, start: int, temperature: float) -> None:
+        """Tile ``[start, start + len(g))``'s share; ``g`` (c, V) is the loss's gradient at its
+        tempered logits ``z / T`` (divided by ``T`` here, in place)."""
+        end = start + g.shape[0]
+        if temperature != 1.0:
+            g.div_(temperature)
+        if self.h is not None:
+            self.h[start:end] = (g.to(self.weight.dtype) @ self.weight).to(self.hidden.dtype)
+        if self.w is not None:
+            self.w.addmm_(g.t(), self.hidden[start:end].to(g.dtype))
+        if self.b is not None:
+            self.b += g.sum(0)
+
+    def result(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """(grad hidden, grad weight, grad bias), each in its input's dtype (None: not needed)."""
+        w = None if self.w is None else self.w.to(self.weight.dtype)
+        b = None if self.b is None or self.bias is None else self.b.to(self.bias.dtype)
+        return self.h, w, b
+
+
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, chunk_rows, fp32, want_entropy):
@@ -62,11 +101,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
         t, rows = ctx.temperature, ctx.chunk_rows
-        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        grad_h = torch.zeros_like(hidden) if need_h else None
-        acc = torch.promote_types(weight.dtype, torch.float32)  # accumulate tiles in >= fp32
-        grad_w = torch.zeros_like(weight, dtype=acc) if need_w else None
-        grad_b = torch.zeros_like(bias, dtype=acc) if need_b else None
+        grads = HeadGrads(hidden, weight, bias, ctx.needs_input_grad[:3])
         for s in range(0, hidden.shape[0], rows):
             h = hidden[s : s + rows]
             # Recompute the tile's logits, then turn them into the gradient in place: one (c, V)
@@ -90,19 +125,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if ent_term is not None:
                 g.sub_(ent_term)
                 del ent_term
-            if t != 1.0:
-                g.div_(t)
-            if need_h:
-                grad_h[s : s + rows] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
-            if need_w:
-                grad_w.addmm_(g.t(), h.to(g.dtype))
-            if need_b:
-                grad_b += g.sum(0)
-        if grad_w is not None:
-            grad_w = grad_w.to(weight.dtype)
-        if grad_b is not None:
-            grad_b = grad_b.to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None, None
+            grads.add(g, s, t)
+        return *grads.result(), None, None, None, None, None
 
 
 @overload

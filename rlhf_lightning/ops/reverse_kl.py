@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf_lightning.ops.logprobs import _tile_logits, resolve_chunk_rows
+from rlhf_lightning.ops.logprobs import HeadGrads, _tile_logits, resolve_chunk_rows
 
 
 class _ChunkedReverseKL(torch.autograd.Function):
@@ -49,33 +49,17 @@ class _ChunkedReverseKL(torch.autograd.Function):
         if grad_kl is None:
             return nothing
         t, rows = ctx.temperature, ctx.chunk_rows
-        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        grad_h = torch.zeros_like(h_s) if need_h else None
-        acc = torch.promote_types(w_s.dtype, torch.float32)
-        grad_w = torch.zeros_like(w_s, dtype=acc) if need_w else None
-        grad_b = torch.zeros_like(b_s, dtype=acc) if need_b else None
+        grads = HeadGrads(h_s, w_s, b_s, ctx.needs_input_grad[:3])
         for s in range(0, h_s.shape[0], rows):
             e = s + rows
-            h = h_s[s:e]
-            g = _tile_logits(h, w_s, b_s, t, ctx.fp32).sub_(lse_s[s:e, None])  # log p_s
+            g = _tile_logits(h_s[s:e], w_s, b_s, t, ctx.fp32).sub_(lse_s[s:e, None])  # log p_s
             log_pt = _tile_logits(h_t[s:e], w_t, b_t, t, ctx.fp32).to(g.dtype).sub_(lse_t[s:e, None])
             diff = (g - log_pt).sub_(kl[s:e, None])  # log p_s - log p_t - KL
             del log_pt
             g.exp_().mul_(diff).mul_(grad_kl[s:e, None].to(g.dtype))
             del diff
-            if t != 1.0:
-                g.div_(t)
-            if need_h:
-                grad_h[s:e] = (g.to(w_s.dtype) @ w_s).to(h_s.dtype)
-            if need_w:
-                grad_w.addmm_(g.t(), h.to(g.dtype))
-            if need_b:
-                grad_b += g.sum(0)
-        if grad_w is not None:
-            grad_w = grad_w.to(w_s.dtype)
-        if grad_b is not None:
-            grad_b = grad_b.to(b_s.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+            grads.add(g, s, t)
+        return *grads.result(), None, None, None, None, None, None
 
 
 def chunked_reverse_kl(
