@@ -79,7 +79,10 @@ def perturbed_teacher(where):
 
 
 @pytest.mark.slow
-def test_pure_distillation_moves_the_student_toward_its_teacher(tmp_path):
+@pytest.mark.parametrize("estimator", ["sampled", "full"])
+def test_pure_distillation_moves_the_student_toward_its_teacher(tmp_path, estimator):
+    """Every task advantage is 0 (pure distillation). ``full``: only the KL term trains, so no
+    row is skipped, and there is no sampled-token scoring pass."""
     from rlhf_lightning.run import run
 
     teacher = perturbed_teacher(tmp_path / "teacher")
@@ -89,6 +92,7 @@ def test_pure_distillation_moves_the_student_toward_its_teacher(tmp_path):
             *FAST,
             f"algo.teacher.path={teacher}",
             "algo.distill.task_reward=false",
+            f"algo.distill.estimator={estimator}",
             "algo.lr=1e-3",
             "trainer.max_steps=12",
             "trainer.val_check_interval=100",
@@ -99,8 +103,11 @@ def test_pure_distillation_moves_the_student_toward_its_teacher(tmp_path):
     )
     assert run(cfg).exit_code == 0
     with (out / "metrics.csv").open() as f:
-        kl = [float(r["distill/reverse_kl"]) for r in csv.DictReader(f) if r.get("distill/reverse_kl")]
+        rows = list(csv.DictReader(f))
+    kl = [float(r["distill/reverse_kl"]) for r in rows if r.get("distill/reverse_kl")]
     assert len(kl) == 12
+    if estimator == "full":
+        assert all(r.get("distill/teacher_logp", "") == "" for r in rows)
     first, last = sum(kl[:3]) / 3, sum(kl[-3:]) / 3
     assert first > 0.5 and last < 0.6 * first, kl  # the student's own tokens: the teacher agrees more
 
